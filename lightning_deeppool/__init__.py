@@ -1,0 +1,15 @@
+"""lightning-deeppool: DeepPool burst parallelism as a PyTorch Lightning strategy.
+
+Importing the package registers the strategy names ``"deeppool"`` (subprocess launcher, like
+``"ddp"``) and ``"deeppool_spawn"`` (spawn launcher, like ``"ddp_spawn"``).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_deeppool.planner.plan import Plan
+from lightning_deeppool.strategy import DeepPoolStrategy
+
+DeepPoolStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["DeepPoolStrategy", "Plan"]
+__version__ = "0.1.0"

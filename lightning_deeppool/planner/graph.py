@@ -1,0 +1,131 @@
+"""The layer graph the planner reasons about: plain data, no torch.
+
+A layer is one node of the traced forward whose output carries the batch dimension first. Graph
+inputs are the forward's arguments; they and the graph's outputs live on all ranks (width N).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """A forward argument: its name and its bytes per sample."""
+
+    name: str
+    sample_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.sample_bytes < 0:
+            raise ValueError(f"input {self.name!r}: sample_bytes must be >= 0, got {self.sample_bytes}")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One planned layer.
+
+    `inputs` names the layers or graph inputs whose values it reads; `sample_bytes` is the size of
+    its output per sample; `params`/`param_bytes` count the parameters it owns (a parameter shared
+    by several layers is counted once, at its first user).
+    """
+
+    name: str
+    op: str
+    target: str
+    inputs: tuple[str, ...]
+    sample_bytes: int
+    params: int = 0
+    param_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("call_module", "call_function", "call_method"):
+            raise ValueError(f"layer {self.name!r}: unknown op {self.op!r}")
+        for label, value in (
+            ("sample_bytes", self.sample_bytes),
+            ("params", self.params),
+            ("param_bytes", self.param_bytes),
+        ):
+            if value < 0:
+                raise ValueError(f"layer {self.name!r}: {label} must be >= 0, got {value}")
+
+    @property
+    def module(self) -> str | None:
+        """The qualified module name for module layers, else None."""
+        return self.target if self.op == "call_module" else None
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """Layers in execution (topological) order, with the graph's inputs and outputs."""
+
+    inputs: tuple[GraphInput, ...]
+    layers: tuple[Layer, ...]
+    outputs: tuple[str, ...]
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        seen = {i.name for i in self.inputs}
+        index: dict[str, int] = {}
+        for position, layer in enumerate(self.layers):
+            if layer.name in seen:
+                raise ValueError(f"duplicate layer name {layer.name!r}")
+            unknown = [name for name in layer.inputs if name not in seen]
+            if unknown:
+                raise ValueError(
+                    f"layer {layer.name!r} reads {unknown} before they are produced: layers must be "
+                    "listed in execution order"
+                )
+            seen.add(layer.name)
+            index[layer.name] = position
+        missing = [name for name in self.outputs if name not in seen]
+        if missing:
+            raise ValueError(f"graph outputs {missing} are neither layers nor inputs")
+        object.__setattr__(self, "_index", index)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, name: str) -> Layer:
+        return self.layers[self._index[name]]
+
+    def position(self, name: str) -> int:
+        """Index of a layer in execution order; graph inputs are -1."""
+        return self._index.get(name, -1)
+
+    def value_sample_bytes(self, name: str) -> int:
+        """Bytes per sample of a layer's output or of a graph input."""
+        if name in self._index:
+            return self.layers[self._index[name]].sample_bytes
+        for graph_input in self.inputs:
+            if graph_input.name == name:
+                return graph_input.sample_bytes
+        raise KeyError(name)
+
+    def consumers(self, name: str) -> list[str]:
+        """Layers that read `name`, in execution order (the graph output is not listed)."""
+        return [layer.name for layer in self.layers if name in layer.inputs]
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable hash of the structure (names, ops, targets, edges, sizes)."""
+        payload = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(payload).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "inputs": [asdict(i) for i in self.inputs],
+            "layers": [{**asdict(layer), "inputs": list(layer.inputs)} for layer in self.layers],
+            "outputs": list(self.outputs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerGraph:
+        return cls(
+            inputs=tuple(GraphInput(**i) for i in data["inputs"]),
+            layers=tuple(Layer(**{**layer, "inputs": tuple(layer["inputs"])}) for layer in data["layers"]),
+            outputs=tuple(data["outputs"]),
+        )

@@ -1,0 +1,249 @@
+"""Plans: the width of every layer plus the predicted costs, as versioned JSON the runtime reads.
+
+JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.planner.profile import Profile
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's width and its predicted costs (seconds)."""
+
+    name: str
+    module: str | None
+    width: int
+    compute_s: float
+    sync_s: float
+    transfer_s: float
+    params: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Widths of every layer (execution order) for one graph, world size and global batch size."""
+
+    world_size: int
+    global_batch_size: int
+    amplification_limit: float
+    predicted_step_time_s: float
+    predicted_ddp_step_time_s: float
+    graph_fingerprint: str
+    layers: tuple[LayerPlan, ...]
+    version: int = PLAN_VERSION
+
+    def width(self, name: str) -> int:
+        """Width of layer ``name``; KeyError naming the known layers otherwise."""
+        for layer in self.layers:
+            if layer.name == name:
+                return layer.width
+        known = ", ".join(layer.name for layer in self.layers[:10])
+        raise KeyError(
+            f"layer {name!r} is not in the plan (layers: {known}{', ...' if len(self.layers) > 10 else ''})"
+        )
+
+    def widths(self) -> dict[str, int]:
+        return {layer.name: layer.width for layer in self.layers}
+
+    @property
+    def speedup(self) -> float:
+        """Predicted DDP step time over predicted plan step time."""
+        return (
+            self.predicted_ddp_step_time_s / self.predicted_step_time_s if self.predicted_step_time_s else 1.0
+        )
+
+    def idle_fractions(self) -> list[float]:
+        """Per rank, the fraction of the plan's predicted compute time during which it runs no layer."""
+        total = sum(layer.compute_s for layer in self.layers)
+        if total <= 0:
+            return [0.0] * self.world_size
+        return [
+            sum(layer.compute_s for layer in self.layers if layer.width <= rank) / total
+            for rank in range(self.world_size)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size,
+            "amplification_limit": "inf"
+            if math.isinf(self.amplification_limit)
+            else self.amplification_limit,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "predicted_ddp_step_time_s": self.predicted_ddp_step_time_s,
+            "graph_fingerprint": self.graph_fingerprint,
+            "layers": [asdict(layer) for layer in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {data.get('version')!r} is not supported (expected {PLAN_VERSION}); "
+                "plan again with this version of lightning_deeppool"
+            )
+        limit = data["amplification_limit"]
+        return cls(
+            world_size=int(data["world_size"]),
+            global_batch_size=int(data["global_batch_size"]),
+            amplification_limit=math.inf if limit == "inf" else float(limit),
+            predicted_step_time_s=float(data["predicted_step_time_s"]),
+            predicted_ddp_step_time_s=float(data["predicted_ddp_step_time_s"]),
+            graph_fingerprint=str(data["graph_fingerprint"]),
+            layers=tuple(LayerPlan(**layer) for layer in data["layers"]),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+    def table(self) -> str:
+        """Aligned text table of the layers, with predicted step time, speedup and idle fraction per rank."""
+        header = ("layer", "module", "width", "compute ms", "sync ms", "transfer ms", "params")
+        rows = [
+            (
+                layer.name,
+                layer.module or "-",
+                str(layer.width),
+                f"{layer.compute_s * 1e3:.3f}",
+                f"{layer.sync_s * 1e3:.3f}",
+                f"{layer.transfer_s * 1e3:.3f}",
+                f"{layer.params:,}",
+            )
+            for layer in self.layers
+        ]
+        sizes = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+        def line(row: tuple[str, ...]) -> str:
+            cells = [
+                cell.ljust(size) if i < 2 else cell.rjust(size)
+                for i, (cell, size) in enumerate(zip(row, sizes, strict=True))
+            ]
+            return "  ".join(cells).rstrip()
+
+        footer = [
+            f"predicted step time {self.predicted_step_time_s * 1e3:.3f} ms vs DDP "
+            f"{self.predicted_ddp_step_time_s * 1e3:.3f} ms: speedup {self.speedup:.2f}x "
+            f"({self.world_size} devices, global batch {self.global_batch_size})",
+            "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
+        ]
+        return "\n".join([line(header), *map(line, rows), *footer])
+
+    def check_matches(self, graph: LayerGraph, world_size: int) -> None:
+        """Raise ValueError if the plan was made for another graph or another world size."""
+        if self.graph_fingerprint != graph.fingerprint:
+            planned = [layer.name for layer in self.layers]
+            actual = [layer.name for layer in graph.layers]
+            missing = [name for name in actual if name not in set(planned)]
+            extra = [name for name in planned if name not in set(actual)]
+            detail = (
+                f"layers missing from the plan: {missing[:5]}, layers the model lacks: {extra[:5]}"
+                if missing or extra
+                else "the layer names match but the structure or sizes differ"
+            )
+            raise ValueError(
+                f"the plan was made for a different graph (fingerprint {self.graph_fingerprint}, this "
+                f"model's is {graph.fingerprint}; {detail}); plan again for this model"
+            )
+        if self.world_size != world_size:
+            raise ValueError(
+                f"the plan was made for world size {self.world_size}, but the world size is {world_size}; "
+                "plan again for this number of devices"
+            )
+
+
+def _idle_summary(fractions: list[float]) -> str:
+    """``r0 0%, r1-3 40%``: consecutive ranks with the same fraction grouped."""
+    parts, start = [], 0
+    for rank in range(1, len(fractions) + 1):
+        if rank == len(fractions) or not math.isclose(fractions[rank], fractions[start]):
+            ranks = f"r{start}" if rank - 1 == start else f"r{start}-{rank - 1}"
+            parts.append(f"{ranks} {fractions[start]:.0%}")
+            start = rank
+    return ", ".join(parts)
+
+
+def validate_plan(plan: Plan, graph: LayerGraph) -> None:
+    """Raise ValueError naming the layer if a graph layer is missing, unknown or its width is outside 1..N."""
+    planned = plan.widths()
+    for layer in graph.layers:
+        if layer.name not in planned:
+            raise ValueError(f"layer {layer.name!r} has no width in the plan; plan again for this model")
+    names = {layer.name for layer in graph.layers}
+    for layer_plan in plan.layers:
+        if layer_plan.name not in names:
+            raise ValueError(f"the plan has layer {layer_plan.name!r}, which the model does not have")
+        if not 1 <= layer_plan.width <= plan.world_size:
+            raise ValueError(
+                f"layer {layer_plan.name!r} has width {layer_plan.width}, outside 1..{plan.world_size}"
+            )
+
+
+def plan_with_widths(
+    graph: LayerGraph,
+    profile: Profile,
+    widths: Mapping[str, int],
+    *,
+    world_size: int,
+    global_batch_size: int,
+    amplification_limit: float,
+) -> Plan:
+    """Cost a given assignment ``{layer name: width}`` (every layer, widths in 1..N) into a Plan."""
+    cost.check_sizes(world_size, global_batch_size)
+    cost.check_profile(graph, profile)
+    names = {layer.name for layer in graph.layers}
+    unknown = sorted(set(widths) - names)
+    if unknown:
+        raise ValueError(f"widths given for unknown layers {unknown[:5]}")
+    for layer in graph.layers:
+        if layer.name not in widths:
+            raise ValueError(f"layer {layer.name!r} has no width")
+        if not 1 <= widths[layer.name] <= world_size:
+            raise ValueError(f"layer {layer.name!r}: width {widths[layer.name]} is outside 1..{world_size}")
+    step = cost.evaluate(graph, profile, widths, world_size=world_size, global_batch_size=global_batch_size)
+    ddp = cost.ddp_baseline(graph, profile, world_size=world_size, global_batch_size=global_batch_size)
+    return Plan(
+        world_size=world_size,
+        global_batch_size=global_batch_size,
+        amplification_limit=float(amplification_limit),
+        predicted_step_time_s=step.total_s,
+        predicted_ddp_step_time_s=ddp.total_s,
+        graph_fingerprint=graph.fingerprint,
+        layers=tuple(
+            LayerPlan(
+                name=layer.name,
+                module=layer.module,
+                width=widths[layer.name],
+                compute_s=step.layers[layer.name].compute_s,
+                sync_s=step.layers[layer.name].sync_s,
+                transfer_s=step.layers[layer.name].transfer_s,
+                params=layer.params,
+            )
+            for layer in graph.layers
+        ),
+    )

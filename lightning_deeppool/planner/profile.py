@@ -1,0 +1,207 @@
+"""Profiles: measured layer times and communication models, as plain JSON-serializable data."""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Forward+backward seconds (median) of one layer at increasing per-device batch sizes.
+
+    `peak_bytes` is the memory the layer needs at each batch size (activations kept for backward
+    plus workspace); None where memory was not measured (CPU).
+    """
+
+    name: str
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    peak_bytes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes:
+            raise ValueError(f"layer {self.name!r}: profile has no batch sizes")
+        if len(self.seconds) != len(self.batch_sizes):
+            raise ValueError(
+                f"layer {self.name!r}: {len(self.batch_sizes)} batch sizes but {len(self.seconds)} times"
+            )
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(
+                f"layer {self.name!r}: batch sizes must be increasing and >= 1: {self.batch_sizes}"
+            )
+        if any(s < 0 for s in self.seconds):
+            raise ValueError(f"layer {self.name!r}: negative time in {self.seconds}")
+        if self.peak_bytes is not None and len(self.peak_bytes) != len(self.batch_sizes):
+            raise ValueError(f"layer {self.name!r}: peak_bytes does not match batch_sizes")
+
+    def time(self, batch_size: int) -> float:
+        """Seconds at `batch_size`, linearly interpolated; outside the measured range it raises."""
+        return _interpolate(self.name, "time", self.batch_sizes, self.seconds, batch_size)
+
+    def memory(self, batch_size: int) -> float | None:
+        """Bytes at `batch_size`, interpolated like `time`; None when memory was not measured."""
+        if self.peak_bytes is None:
+            return None
+        return _interpolate(self.name, "memory", self.batch_sizes, self.peak_bytes, batch_size)
+
+
+def _interpolate(
+    name: str, what: str, xs: tuple[int, ...], ys: tuple[float, ...] | tuple[int, ...], x: int
+) -> float:
+    if x < xs[0] or x > xs[-1]:
+        raise ValueError(
+            f"layer {name!r}: {what} at batch size {x} is outside the profiled range {xs[0]}..{xs[-1]}; "
+            "profile again for this global batch size and device count"
+        )
+    i = bisect.bisect_left(xs, x)
+    if xs[i] == x:
+        return float(ys[i])
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Latency-bandwidth model of one communication pattern: `latency_s + nbytes * seconds_per_byte`."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.seconds_per_byte < 0:
+            raise ValueError(f"alpha-beta parameters must be >= 0, got {self}")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes * self.seconds_per_byte if nbytes > 0 else 0.0
+
+
+# Documented defaults when no process group is available to measure: a PCIe-4-class link
+# (about 20 GB/s, 20 us per message). `deeppool plan --bandwidth/--latency` overrides them.
+DEFAULT_LATENCY_S = 20e-6
+DEFAULT_BANDWIDTH_BYTES_PER_S = 20e9
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """Communication models.
+
+    `allreduce[k]` models a whole all-reduce among k devices (ring factor included, since it was
+    measured); `redistribute` models moving activations between ranks (per busiest rank's bytes).
+    Group sizes without a measurement use the ring formula on the link model of the nearest measured
+    size, or of `link` when nothing was measured.
+    """
+
+    link: AlphaBeta = field(
+        default_factory=lambda: AlphaBeta(DEFAULT_LATENCY_S, 1.0 / DEFAULT_BANDWIDTH_BYTES_PER_S)
+    )
+    allreduce: dict[int, AlphaBeta] = field(default_factory=dict)
+    redistribute: AlphaBeta | None = None
+    measured: bool = False
+
+    def allreduce_time(self, group_size: int, nbytes: float) -> float:
+        """Seconds to all-reduce `nbytes` among `group_size` devices (0 for one device)."""
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0
+        if group_size in self.allreduce:
+            return self.allreduce[group_size].time(nbytes)
+        if self.allreduce:
+            nearest = min(self.allreduce, key=lambda k: (abs(k - group_size), k))
+            per_link = _ring_link(self.allreduce[nearest], nearest)
+        else:
+            per_link = self.link
+        steps = 2 * (group_size - 1)
+        return steps * per_link.latency_s + steps / group_size * nbytes * per_link.seconds_per_byte
+
+    def redistribute_time(self, busiest_rank_bytes: float) -> float:
+        """Seconds to redistribute activations when the busiest rank sends/receives that many bytes."""
+        model = self.redistribute or self.link
+        return model.time(busiest_rank_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "link": asdict(self.link),
+            "allreduce": {str(k): asdict(v) for k, v in sorted(self.allreduce.items())},
+            "redistribute": asdict(self.redistribute) if self.redistribute else None,
+            "measured": self.measured,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CommProfile:
+        return cls(
+            link=AlphaBeta(**data["link"]),
+            allreduce={int(k): AlphaBeta(**v) for k, v in data["allreduce"].items()},
+            redistribute=AlphaBeta(**data["redistribute"]) if data["redistribute"] else None,
+            measured=data["measured"],
+        )
+
+
+def _ring_link(model: AlphaBeta, group_size: int) -> AlphaBeta:
+    """Per-link parameters implied by a measured ring all-reduce among `group_size` devices."""
+    steps = 2 * (group_size - 1)
+    return AlphaBeta(model.latency_s / steps, model.seconds_per_byte * group_size / steps)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the cost model needs about one model on one kind of device."""
+
+    graph_fingerprint: str
+    device: str
+    dtype: str
+    layers: dict[str, LayerProfile]
+    comm: CommProfile = field(default_factory=CommProfile)
+    version: int = PROFILE_VERSION
+
+    def layer(self, name: str) -> LayerProfile:
+        try:
+            return self.layers[name]
+        except KeyError:
+            raise KeyError(f"no profile for layer {name!r}; the profile was made for another graph") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "graph_fingerprint": self.graph_fingerprint,
+            "device": self.device,
+            "dtype": self.dtype,
+            "layers": {
+                name: {**asdict(p), "batch_sizes": list(p.batch_sizes), "seconds": list(p.seconds)}
+                for name, p in self.layers.items()
+            },
+            "comm": self.comm.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')} is not {PROFILE_VERSION}; profile again")
+        layers = {
+            name: LayerProfile(
+                name=p["name"],
+                batch_sizes=tuple(p["batch_sizes"]),
+                seconds=tuple(p["seconds"]),
+                peak_bytes=tuple(p["peak_bytes"]) if p.get("peak_bytes") is not None else None,
+            )
+            for name, p in data["layers"].items()
+        }
+        return cls(
+            graph_fingerprint=data["graph_fingerprint"],
+            device=data["device"],
+            dtype=data["dtype"],
+            layers=layers,
+            comm=CommProfile.from_dict(data["comm"]),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))

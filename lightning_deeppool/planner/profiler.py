@@ -1,0 +1,253 @@
+"""Layer profiler: measured forward+backward time (and peak memory on CUDA) per layer and batch size.
+
+Profiling never changes training: parameters' `.grad`, buffers (BatchNorm running stats), module
+training flags and the global RNG state are as they were before.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.planner.capture import CapturedGraph, evaluate
+from lightning_deeppool.planner.profile import LayerProfile
+
+
+def candidate_batch_sizes(global_batch_size: int, world_size: int, max_sizes: int = 16) -> list[int]:
+    """Per-device batch sizes ceil(B/w) for widths w in 1..N, increasing.
+
+    Beyond `max_sizes` distinct sizes, a geometric subset that keeps the smallest and the largest.
+    """
+    if global_batch_size < 1 or world_size < 1 or max_sizes < 2:
+        raise ValueError(
+            f"need global_batch_size >= 1, world_size >= 1, max_sizes >= 2; got "
+            f"{global_batch_size}, {world_size}, {max_sizes}"
+        )
+    sizes = sorted({math.ceil(global_batch_size / w) for w in range(1, world_size + 1)})
+    if len(sizes) <= max_sizes:
+        return sizes
+    low, high = sizes[0], sizes[-1]
+    targets = [low * (high / low) ** (i / (max_sizes - 1)) for i in range(max_sizes)]
+    return sorted({min(sizes, key=lambda s: abs(math.log(s / target))) for target in targets})
+
+
+def assign_layers(layer_names: Sequence[str], world_size: int, rank: int) -> list[str]:
+    """The layers `rank` profiles: round-robin, so cheap and expensive layers spread over ranks."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    return list(layer_names[rank::world_size])
+
+
+def merge_layer_profiles(parts: Sequence[dict[str, LayerProfile]]) -> dict[str, LayerProfile]:
+    """Union of the ranks' profiles; raises if a layer appears twice or batch sizes differ."""
+    merged: dict[str, LayerProfile] = {}
+    for part in parts:
+        for name, layer in part.items():
+            if name in merged:
+                raise ValueError(f"layer {name!r} was profiled by more than one rank")
+            first = next(iter(merged.values()), layer)
+            if layer.batch_sizes != first.batch_sizes:
+                raise ValueError(
+                    f"layer {name!r} was profiled at batch sizes {layer.batch_sizes}, "
+                    f"layer {first.name!r} at {first.batch_sizes}: ranks disagree on the candidates"
+                )
+            merged[name] = layer
+    return merged
+
+
+def profile_layers(
+    captured: CapturedGraph,
+    env: dict[str, Any],
+    batch_sizes: Sequence[int],
+    *,
+    layers: Sequence[str] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: torch.device | str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, LayerProfile]:
+    """Median forward+backward seconds of each layer (default: all) at each batch size.
+
+    `env` is `captured.bind(args, kwargs)` of an example batch. `device` defaults to the module's;
+    the module must already be there. `progress(done, total)` is called after each layer.
+    """
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    names = list(layers) if layers is not None else [layer.name for layer in captured.graph.layers]
+    unknown = [name for name in names if name not in captured.layer_nodes]
+    if unknown:
+        raise ValueError(f"no layers named {unknown} in the captured graph")
+    gm = captured.module
+    device = torch.device(device) if device is not None else _module_device(gm)
+    env = {name: _to_device(value, device) for name, value in env.items()}
+    local = {name: env[name] for name in captured.local_inputs}
+    profiles: dict[str, LayerProfile] = {}
+    with _unchanged_module(gm, device):
+        samples = _first_samples(captured, env)
+        gm.train()
+        for done, name in enumerate(names, start=1):
+            inputs = {value: samples[value] for value in captured.graph.layer(name).inputs}
+            profiles[name] = _profile_layer(captured, name, local, inputs, sizes, warmup, repeats, device)
+            if progress is not None:
+                progress(done, len(names))
+    return profiles
+
+
+def _profile_layer(
+    captured: CapturedGraph,
+    name: str,
+    local: dict[str, Any],
+    samples: dict[str, Any],
+    sizes: list[int],
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+) -> LayerProfile:
+    params = dict(captured.module.named_parameters())
+    trainable = [params[p] for p in captured.layer_params[name] if params[p].requires_grad]
+    seconds, peaks = [], []
+    for b in sizes:
+        leaves = {value: pytree.tree_map(_leaf_input, _repeat_first(v, b)) for value, v in samples.items()}
+        wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
+        run = functools.partial(
+            _forward_backward, captured.module, captured.layer_nodes[name], local, wrt + trainable
+        )
+        try:
+            median, peak = _measure(run, leaves, device, warmup, repeats)
+        except Exception as err:
+            raise RuntimeError(
+                f"profiling layer {name!r} at per-device batch size {b} failed: {err}"
+            ) from err
+        seconds.append(median)
+        peaks.append(peak)
+    measured_peaks = tuple(p for p in peaks if p is not None)
+    return LayerProfile(name, tuple(sizes), tuple(seconds), measured_peaks or None)
+
+
+@contextmanager
+def _unchanged_module(gm: fx.GraphModule, device: torch.device) -> Iterator[None]:
+    """Restore training flags, buffers and RNG state; run with autograd enabled."""
+    flags = {m: m.training for m in gm.modules()}
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type)
+    try:
+        with rng, torch.enable_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(buffers[name])
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _first_samples(captured: CapturedGraph, env: dict[str, Any]) -> dict[str, Any]:
+    """First sample of every batch value, from one eval-mode pass of the example (two samples)."""
+    gm = captured.module
+    values = dict(env)
+    for name in captured.batch_inputs:
+        values[name] = _repeat_first(env[name], 2)
+    gm.eval()
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op not in ("placeholder", "output"):
+                values[node.name] = evaluate(gm, node, values)
+    return {name: _repeat_first(values[name], 1) for name in captured.meta}
+
+
+def _measure(
+    run: Callable[[dict[str, Any]], None],
+    leaves: dict[str, Any],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, int | None]:
+    """Median seconds of `run(inputs)`, and its peak bytes on CUDA (else None)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    times = []
+    for _ in range(warmup + repeats):
+        # In-place layers (ReLU(inplace=True)) may not modify an autograd leaf: give them a copy.
+        inputs = {name: pytree.tree_map(_copy_if_grad, v) for name, v in leaves.items()}
+        times.append(_timed(device, functools.partial(run, inputs)))
+    peak = max(torch.cuda.max_memory_allocated(device) - baseline, 0) if cuda else None
+    return statistics.median(times[warmup:]), peak
+
+
+def _forward_backward(
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    local: dict[str, Any],
+    wrt: list[torch.Tensor],
+    inputs: dict[str, Any],
+) -> None:
+    """Evaluate the layer's nodes, then backward with a ones upstream gradient (no `.grad` touched)."""
+    values = {**local, **inputs}
+    for node in nodes:
+        values[node.name] = evaluate(gm, node, values)
+    outputs = [leaf for leaf in pytree.tree_leaves(values[nodes[-1].name]) if _needs_grad(leaf)]
+    if outputs and wrt:
+        upstream = [torch.ones_like(out) for out in outputs]
+        torch.autograd.grad(outputs, wrt, upstream, allow_unused=True)
+
+
+def _timed(device: torch.device, fn: Callable[[], None]) -> float:
+    """Seconds `fn` takes on `device`: CUDA events there, the wall clock on CPU."""
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _needs_grad(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.requires_grad
+
+
+def _leaf_input(leaf: Any) -> Any:
+    """A fresh autograd leaf for float tensors; integer tensors (indices) get no gradient."""
+    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+        return leaf.detach().requires_grad_(True)
+    return leaf
+
+
+def _copy_if_grad(leaf: Any) -> Any:
+    return leaf.clone() if _needs_grad(leaf) else leaf
+
+
+def _repeat_first(value: Any, batch_size: int) -> Any:
+    """Repeat the first sample of every tensor leaf to `batch_size` samples."""
+
+    def repeat(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf[:1].expand(batch_size, *leaf.shape[1:]).contiguous()
+        return leaf
+
+    return pytree.tree_map(repeat, value)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def _module_device(gm: fx.GraphModule) -> torch.device:
+    tensor = next(gm.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")

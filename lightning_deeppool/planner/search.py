@@ -1,0 +1,363 @@
+"""Search: the width assignment that minimizes the predicted step time, under hard constraints.
+
+Dynamic programming over layers in execution order. A state holds the widths of the *live* values
+(produced and still read by a later layer); a chain has one live value, a residual block two. The DP
+is exact while at most ``max_states`` states survive a layer; beyond that it keeps the cheapest ones
+and is a heuristic (a beam search).
+
+Candidate widths: every width 1..N while N <= ``EXHAUSTIVE_UP_TO``. Above that, for each distinct
+per-device batch ``ceil(B / w)`` the smallest such w, plus N. Widths with the same per-device batch
+compute equally fast but split the batch differently, so they are not interchangeable for transfers:
+the exhaustive set keeps small worlds exactly optimal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.graph import Layer, LayerGraph
+from lightning_deeppool.planner.plan import Plan, plan_with_widths
+from lightning_deeppool.planner.profile import Profile
+
+# Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
+# device-time is too small to matter and their profiled times are mostly launch overhead.
+DEFAULT_EXEMPT_BELOW_S = 1e-4
+EXHAUSTIVE_UP_TO = 64
+DEFAULT_MAX_STATES = 4096
+_LAMBDA_STEPS = 30
+
+
+def candidate_widths(world_size: int, global_batch_size: int) -> list[int]:
+    """Widths worth considering for an unpinned layer (see the module docstring)."""
+    if world_size <= EXHAUSTIVE_UP_TO:
+        return list(range(1, world_size + 1))
+    smallest: dict[int, int] = {}
+    for width in range(1, world_size + 1):
+        smallest.setdefault(cost.per_device_batch(global_batch_size, width), width)
+    return sorted({*smallest.values(), world_size})
+
+
+def resolve_pins(graph: LayerGraph, pins: Mapping[str, int] | None, world_size: int) -> dict[str, int]:
+    """Width of every pinned layer. A pin matches a layer whose module or name equals the prefix or starts
+    with ``prefix + "."``; ``""`` matches everything; the longest matching prefix wins."""
+    if not pins:
+        return {}
+    for prefix, width in pins.items():
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= world_size:
+            raise ValueError(
+                f"pin {prefix!r}: width {width!r} is outside 1..{world_size}; pin a width between 1 and the "
+                "world size"
+            )
+
+    def matches(prefix: str, layer: Layer) -> bool:
+        keys = [key for key in (layer.module, layer.name) if key is not None]
+        return prefix == "" or any(key == prefix or key.startswith(prefix + ".") for key in keys)
+
+    for prefix in pins:
+        if not any(matches(prefix, layer) for layer in graph.layers):
+            examples = list(dict.fromkeys(layer.module for layer in graph.layers if layer.module))[:8]
+            raise ValueError(
+                f"pin {prefix!r} matches no layer; pin a module name or a prefix of one, e.g. {examples}"
+            )
+    resolved = {}
+    for layer in graph.layers:
+        matching = [prefix for prefix in pins if matches(prefix, layer)]
+        if matching:
+            resolved[layer.name] = pins[max(matching, key=len)]
+    return resolved
+
+
+def amplification(profile: Profile, layer: Layer, width: int, global_batch_size: int) -> float:
+    """Device-time of the layer at ``width`` over its time alone: ``time(w) * w / time(1)``."""
+    alone = cost.compute_time(profile, layer, 1, global_batch_size)
+    spread = cost.compute_time(profile, layer, width, global_batch_size) * width
+    return spread / alone if alone > 0 else 1.0
+
+
+def search(
+    graph: LayerGraph,
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    amplification_limit: float = 2.0,
+    exempt_below_s: float = DEFAULT_EXEMPT_BELOW_S,
+    pins: Mapping[str, int] | None = None,
+    memory_budget_bytes: float | None = None,
+    max_states: int = DEFAULT_MAX_STATES,
+) -> Plan:
+    """The plan with the least predicted step time.
+
+    Hard constraints: every unpinned layer whose time at width 1 is at least ``exempt_below_s`` keeps
+    ``time(w) * w <= amplification_limit * time(1)`` (width 1 always qualifies; ``inf`` disables it);
+    pinned layers take their pin's width unchecked (the user's choice); where the profile has memory,
+    rank 0's estimated bytes stay within ``memory_budget_bytes`` (Lagrangian relaxation).
+    """
+    cost.check_sizes(world_size, global_batch_size)
+    cost.check_profile(graph, profile)
+    if amplification_limit < 1:
+        raise ValueError(
+            f"amplification limit {amplification_limit} is below 1, which no width above 1 can meet; use "
+            "a limit >= 1 (float('inf') disables it)"
+        )
+    tables = _Tables.build(
+        graph,
+        profile,
+        world_size=world_size,
+        global_batch_size=global_batch_size,
+        amplification_limit=amplification_limit,
+        exempt_below_s=exempt_below_s,
+        pinned=resolve_pins(graph, pins, world_size),
+    )
+    if memory_budget_bytes is None:
+        choice = _dp(tables, 0.0, max_states)
+    else:
+        if not cost.has_memory(profile, graph):
+            raise ValueError(
+                "a memory budget needs a profile with memory per layer; profile on the target device "
+                "(GPU), or drop the memory budget"
+            )
+        choice = _fit_memory(tables, memory_budget_bytes, max_states)
+    widths = {layer.name: int(tables.widths[i]) for layer, i in zip(graph.layers, choice, strict=True)}
+    return plan_with_widths(
+        graph,
+        profile,
+        widths,
+        world_size=world_size,
+        global_batch_size=global_batch_size,
+        amplification_limit=amplification_limit,
+    )
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per-layer cost vectors over its allowed widths, indexed into the shared candidate list."""
+
+    widths: np.ndarray  # (C,) candidate widths
+    allowed: list[np.ndarray]  # per layer: indices into `widths`
+    own: list[np.ndarray]  # per layer: compute + sync + transfers from graph inputs and to outputs
+    memory: list[np.ndarray]  # per layer: bytes on each of its devices
+    edges: list[list[tuple[str, np.ndarray]]]  # per layer: (producer layer, (C, allowed) transfer s)
+    last_use: dict[str, int]  # layer -> position of its last consumer (absent: none)
+    names: list[str]
+
+    @classmethod
+    def build(
+        cls,
+        graph: LayerGraph,
+        profile: Profile,
+        *,
+        world_size: int,
+        global_batch_size: int,
+        amplification_limit: float,
+        exempt_below_s: float,
+        pinned: Mapping[str, int],
+    ) -> _Tables:
+        base = candidate_widths(world_size, global_batch_size)
+        widths = np.array(sorted({*base, *pinned.values()}))
+        index = {int(w): i for i, w in enumerate(widths)}
+        base_index = np.array([index[w] for w in base])
+        batches = -(-global_batch_size // widths)
+        transfer = _TransferTable(profile, widths, world_size, global_batch_size)
+        full = index[world_size]
+        outputs = set(cost.output_layers(graph))
+
+        allowed, own, memory, edges = [], [], [], []
+        for layer in graph.layers:
+            times = _interpolate(profile, layer, batches)
+            if layer.name in pinned:
+                idx = np.array([index[pinned[layer.name]]])
+            else:
+                ok = _within_limit(times, widths, amplification_limit, exempt_below_s)
+                idx = base_index[ok[base_index]]
+            sync = np.array([cost.sync_time(profile.comm, layer, int(w)) for w in widths[idx]])
+            vector = times[idx] + sync
+            layer_edges = []
+            for name in dict.fromkeys(layer.inputs):
+                matrix = transfer.seconds(graph.value_sample_bytes(name))[:, idx]
+                if graph.position(name) >= 0:
+                    layer_edges.append((name, matrix))
+                else:
+                    vector = vector + matrix[full]
+            if layer.name in outputs:
+                vector = vector + transfer.seconds(layer.sample_bytes)[idx, full]
+            allowed.append(idx)
+            own.append(vector)
+            memory.append(_memory(profile, layer, batches[idx]))
+            edges.append(layer_edges)
+        last_use = {name: k for k, layer in enumerate(graph.layers) for name in layer.inputs}
+        return cls(widths, allowed, own, memory, edges, last_use, [layer.name for layer in graph.layers])
+
+
+def _interpolate(profile: Profile, layer: Layer, batches: np.ndarray) -> np.ndarray:
+    """Profiled times at these per-device batches; the profile's own error outside its range."""
+    measured = profile.layer(layer.name)
+    for batch in (int(batches.min()), int(batches.max())):
+        measured.time(batch)
+    return np.interp(batches, measured.batch_sizes, measured.seconds)
+
+
+def _memory(profile: Profile, layer: Layer, batches: np.ndarray) -> np.ndarray:
+    measured = profile.layer(layer.name)
+    peak = (
+        np.zeros(len(batches))
+        if measured.peak_bytes is None
+        else np.interp(batches, measured.batch_sizes, measured.peak_bytes)
+    )
+    return peak + 2 * layer.param_bytes
+
+
+def _within_limit(times: np.ndarray, widths: np.ndarray, limit: float, exempt_below_s: float) -> np.ndarray:
+    """Mask of widths meeting the amplification limit; times[i] is the time at widths[i]."""
+    alone = float(times[widths == 1][0])
+    if math.isinf(limit) or alone < exempt_below_s:
+        return np.ones(len(widths), dtype=bool)
+    return (times * widths <= limit * alone) | (widths == 1)
+
+
+class _TransferTable:
+    """Seconds (both directions) to move a value between any two candidate widths, per sample size."""
+
+    def __init__(self, profile: Profile, widths: np.ndarray, world_size: int, global_batch_size: int) -> None:
+        busiest = cost.busiest_samples(widths, world_size, global_batch_size)
+        self._samples, self._inverse = np.unique(busiest, return_inverse=True)
+        self._shape = busiest.shape
+        self._comm = profile.comm
+        self._cache: dict[int, np.ndarray] = {}
+
+    def seconds(self, sample_bytes: int) -> np.ndarray:
+        if sample_bytes not in self._cache:
+            per_value = np.array([self._comm.redistribute_time(int(s) * sample_bytes) for s in self._samples])
+            self._cache[sample_bytes] = cost.DIRECTIONS * per_value[self._inverse].reshape(self._shape)
+        return self._cache[sample_bytes]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What reconstruction needs of one DP step: the incoming states sorted by group, and per new state
+    its group and chosen column."""
+
+    live: list[str]
+    order: np.ndarray  # sorted position -> row of the previous step's states
+    states: np.ndarray
+    costs: np.ndarray
+    starts: np.ndarray
+    group: np.ndarray
+    column: np.ndarray
+
+
+def _dp(tables: _Tables, weight: float, max_states: int) -> list[int]:
+    """Candidate index per layer minimizing the sum of (own + weight * memory) and edge transfers."""
+    live: list[str] = []
+    states = np.zeros((1, 0), dtype=np.int64)
+    costs = np.zeros(1)
+    steps = []
+    for k, name in enumerate(tables.names):
+        keep = [i for i, value in enumerate(live) if tables.last_use[value] > k]
+        order, starts = _sort_groups(states[:, keep], len(tables.widths))
+        states, costs = states[order], costs[order]
+        best = np.minimum.reduceat(_step_costs(tables, k, live, states, costs, weight), starts, axis=0)
+        kept = states[starts][:, keep]
+        groups, cols = best.shape
+        stays_live = tables.last_use.get(name, -1) > k
+        if stays_live:
+            group, column = np.repeat(np.arange(groups), cols), np.tile(np.arange(cols), groups)
+            new_states = np.hstack([kept[group], tables.allowed[k][column][:, None]])
+            new_costs = best.ravel()
+        else:
+            group, column = np.arange(groups), best.argmin(axis=1)
+            new_states, new_costs = kept, best[group, column]
+        if len(new_costs) > max_states:
+            survivors = np.argpartition(new_costs, max_states - 1)[:max_states]
+            group, column, new_states, new_costs = (
+                group[survivors],
+                column[survivors],
+                new_states[survivors],
+                new_costs[survivors],
+            )
+        steps.append(_Step(live, order, states, costs, starts, group, column))
+        live = [live[i] for i in keep] + ([name] if stays_live else [])
+        states, costs = new_states, new_costs
+    return _reconstruct(tables, steps, int(np.argmin(costs)), weight)
+
+
+def _step_costs(
+    tables: _Tables,
+    k: int,
+    live: list[str],
+    states: np.ndarray,
+    costs: np.ndarray,
+    weight: float,
+    column: int | slice = slice(None),
+) -> np.ndarray:
+    """Cost so far plus layer k's own cost and incoming transfers, per state and allowed width (or one)."""
+    step = np.add.outer(costs, (tables.own[k] + weight * tables.memory[k])[column])
+    for producer, matrix in tables.edges[k]:
+        step += np.take(matrix[:, column], states[:, live.index(producer)], axis=0)
+    return step
+
+
+def _reconstruct(tables: _Tables, steps: list[_Step], row: int, weight: float) -> list[int]:
+    """Walk back from the best final state, recomputing each step's arg-min within the chosen group."""
+    choice = []
+    for k in reversed(range(len(steps))):
+        step = steps[k]
+        group, column = int(step.group[row]), int(step.column[row])
+        choice.append(int(tables.allowed[k][column]))
+        end = int(step.starts[group + 1]) if group + 1 < len(step.starts) else len(step.states)
+        members = np.arange(int(step.starts[group]), end)
+        values = _step_costs(tables, k, step.live, step.states[members], step.costs[members], weight, column)
+        row = int(step.order[members[np.argmin(values)]])
+    return choice[::-1]
+
+
+def _sort_groups(kept: np.ndarray, radix: int) -> tuple[np.ndarray, np.ndarray]:
+    """Order that brings states with equal kept columns together, and where each group starts."""
+    if kept.shape[1] == 0:
+        return np.arange(len(kept)), np.zeros(1, dtype=np.int64)
+    if kept.shape[1] * math.log2(radix) < 62:
+        keys = kept @ (radix ** np.arange(kept.shape[1], dtype=np.int64))
+    else:
+        keys = np.unique(kept, axis=0, return_inverse=True)[1].reshape(-1)
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    return order, np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+
+
+def _fit_memory(tables: _Tables, budget: float, max_states: int) -> list[int]:
+    """Fastest choice whose rank-0 memory fits the budget: bisect the Lagrange weight on memory."""
+
+    def memory(choice: list[int]) -> float:
+        return sum(
+            float(m[np.flatnonzero(idx == c)[0]])
+            for m, idx, c in zip(tables.memory, tables.allowed, choice, strict=True)
+        )
+
+    choice = _dp(tables, 0.0, max_states)
+    if memory(choice) <= budget:
+        return choice
+    least = sum(float(m.min()) for m in tables.memory)
+    if least > budget:
+        raise ValueError(
+            f"even the plan with the least memory needs {least / 2**30:.2f} GiB on rank 0, over the budget "
+            f"of {budget / 2**30:.2f} GiB; lower the global batch size, relax the amplification limit or "
+            "pins, or raise the budget"
+        )
+    low, high = 0.0, 1e-18
+    while memory(best := _dp(tables, high, max_states)) > budget:
+        low, high = high, high * 10
+        if high > 1e6:
+            raise ValueError(f"no plan found within the memory budget of {budget / 2**30:.2f} GiB")
+    for _ in range(_LAMBDA_STEPS):
+        middle = (low + high) / 2
+        choice = _dp(tables, middle, max_states)
+        if memory(choice) <= budget:
+            high, best = middle, choice
+        else:
+            low = middle
+    return best

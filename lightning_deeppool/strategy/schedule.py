@@ -1,0 +1,254 @@
+"""The burst-parallel step as data: stages, actions and the passes that lower a plan into them.
+
+Every rank derives the same action lists from the same graph and widths, so collectives are issued
+in one order everywhere, in forward and in backward. A rank executes the actions it takes part in:
+`forward`/`backward` of a stage when its rank is below the stage's width, `send`/`send_grad` when it
+holds or receives samples that move, `sync` when it owns the bucket's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lightning_deeppool.planner.graph import LayerGraph
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A run of consecutive layers with one width; `inputs`/`outputs` cross its boundary."""
+
+    index: int
+    width: int
+    layers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose gradients are all-reduced together among ranks 0..width-1."""
+
+    index: int
+    width: int
+    params: tuple[str, ...]
+
+
+class Action(NamedTuple):
+    """One step of the schedule.
+
+    kind: "forward" / "backward" (a stage), "send" (a value's samples move from width `src` to
+    `dst`), "send_grad" (its gradient moves back from `dst` to `src`), "sync" (all-reduce a bucket),
+    "wait" (finish all syncs).
+    """
+
+    kind: str
+    index: int = -1
+    value: str = ""
+    src: int = 0
+    dst: int = 0
+
+    def __str__(self) -> str:
+        if self.kind in ("send", "send_grad"):
+            return f"{self.kind}:{self.value}:{self.src}>{self.dst}"
+        if self.kind == "wait":
+            return "wait"
+        return f"{self.kind}{self.index}"
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        if text == "wait":
+            return cls("wait")
+        if text.startswith(("send:", "send_grad:")):
+            kind, value, widths = text.split(":")
+            src, dst = widths.split(">")
+            return cls(kind, value=value, src=int(src), dst=int(dst))
+        for kind in ("forward", "backward", "sync"):
+            if text.startswith(kind) and text[len(kind) :].isdigit():
+                return cls(kind, index=int(text[len(kind) :]))
+        raise ValueError(f"not an action: {text!r}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything a rank needs to run one step of a plan."""
+
+    world_size: int
+    widths: dict[str, int]
+    stages: tuple[Stage, ...]
+    buckets: tuple[Bucket, ...]
+    forward: tuple[Action, ...]
+    backward: tuple[Action, ...]
+    param_widths: dict[str, int]
+
+    def width_of(self, value: str) -> int:
+        """Width at which a value is produced (graph inputs: the world size)."""
+        return self.widths.get(value, self.world_size)
+
+    def owns(self, rank: int, param: str) -> bool:
+        return rank < self.param_widths.get(param, self.world_size)
+
+
+def build_stages(graph: LayerGraph, widths: Mapping[str, int]) -> tuple[Stage, ...]:
+    """Cut the execution order into maximal runs of equal width."""
+    runs: list[list[str]] = []
+    for layer in graph.layers:
+        if runs and widths[runs[-1][0]] == widths[layer.name]:
+            runs[-1].append(layer.name)
+        else:
+            runs.append([layer.name])
+    stage_of = {name: i for i, run in enumerate(runs) for name in run}
+    graph_outputs = set(graph.outputs)
+    stages = []
+    for i, run in enumerate(runs):
+        inputs: dict[str, None] = {}
+        for name in run:
+            for source in graph.layer(name).inputs:
+                if stage_of.get(source) != i:
+                    inputs[source] = None
+        outputs = [
+            name
+            for name in run
+            if name in graph_outputs or any(stage_of[c] != i for c in graph.consumers(name))
+        ]
+        stages.append(Stage(i, widths[run[0]], tuple(run), tuple(inputs), tuple(outputs)))
+    return tuple(stages)
+
+
+def lower_forward(graph: LayerGraph, stages: Sequence[Stage], world_size: int) -> list[Action]:
+    """Stage computations with a `send` before each first use of a value at another width."""
+    widths = {name: stage.width for stage in stages for name in stage.layers}
+    available = {(name, world_size) for name in (i.name for i in graph.inputs)}
+    actions: list[Action] = []
+
+    def need(value: str, width: int) -> None:
+        source = widths.get(value, world_size)
+        available.add((value, source))
+        if (value, width) not in available:
+            actions.append(Action("send", value=value, src=source, dst=width))
+            available.add((value, width))
+
+    for stage in stages:
+        for value in stage.inputs:
+            need(value, stage.width)
+        actions.append(Action("forward", stage.index))
+    for value in graph.outputs:
+        need(value, world_size)
+    return actions
+
+
+def lower_backward(
+    graph: LayerGraph,
+    stages: Sequence[Stage],
+    forward: Sequence[Action],
+    buckets: Sequence[Bucket],
+    ready_after: Mapping[int, Sequence[int]],
+) -> list[Action]:
+    """Reverse of `forward`: each `send` becomes a `send_grad` placed after the backward of the last
+    stage (in reverse order) that read the value at that width; buckets sync once ready."""
+    input_names = {i.name for i in graph.inputs}
+    last_reader: dict[tuple[str, int], int] = {}
+    for stage in stages:
+        for value in stage.inputs:
+            last_reader.setdefault((value, stage.width), stage.index)
+    grads_after: dict[int, list[Action]] = {}
+    output_grads: list[Action] = []
+    for action in forward:
+        if action.kind != "send" or action.value in input_names:
+            continue
+        grad = Action("send_grad", value=action.value, src=action.src, dst=action.dst)
+        reader = last_reader.get((action.value, action.dst))
+        if reader is None:
+            output_grads.append(grad)
+        else:
+            grads_after.setdefault(reader, []).append(grad)
+    actions = list(reversed(output_grads))
+    for stage in reversed(stages):
+        actions.append(Action("backward", stage.index))
+        actions.extend(grads_after.get(stage.index, []))
+        actions.extend(Action("sync", b) for b in ready_after.get(stage.index, []))
+    actions.append(Action("wait"))
+    return actions
+
+
+def plan_buckets(
+    stages: Sequence[Stage],
+    layer_params: Mapping[str, Sequence[str]],
+    param_bytes: Mapping[str, int],
+    param_widths: Mapping[str, int],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> tuple[list[Bucket], dict[int, list[int]]]:
+    """Group gradients by owner width in the order they become final in backward.
+
+    Returns the buckets and, per stage index, the buckets that can be launched after its backward.
+    A parameter is final once every stage using it has run backward. Width-1 parameters need no
+    all-reduce and are left out.
+    """
+    first_user: dict[str, int] = {}
+    for stage in stages:
+        for layer in stage.layers:
+            for param in layer_params.get(layer, ()):
+                first_user.setdefault(param, stage.index)
+    buckets: list[Bucket] = []
+    ready_after: dict[int, list[int]] = {}
+    for stage in reversed(stages):
+        final = [p for p, s in first_user.items() if s == stage.index and param_widths[p] > 1]
+        open_buckets: dict[int, list[str]] = {}
+        sizes: dict[int, int] = {}
+        for param in final:
+            width = param_widths[param]
+            open_buckets.setdefault(width, []).append(param)
+            sizes[width] = sizes.get(width, 0) + param_bytes[param]
+        for width in sorted(open_buckets):
+            chunk: list[str] = []
+            chunk_bytes = 0
+            for param in open_buckets[width]:
+                chunk.append(param)
+                chunk_bytes += param_bytes[param]
+                if chunk_bytes >= bucket_bytes:
+                    buckets.append(Bucket(len(buckets), width, tuple(chunk)))
+                    ready_after.setdefault(stage.index, []).append(buckets[-1].index)
+                    chunk, chunk_bytes = [], 0
+            if chunk:
+                buckets.append(Bucket(len(buckets), width, tuple(chunk)))
+                ready_after.setdefault(stage.index, []).append(buckets[-1].index)
+    return buckets, ready_after
+
+
+def param_owner_widths(
+    widths: Mapping[str, int], layer_params: Mapping[str, Sequence[str]]
+) -> dict[str, int]:
+    """A parameter lives on ranks 0..w-1 for the widest layer w that uses it."""
+    owners: dict[str, int] = {}
+    for layer, params in layer_params.items():
+        for param in params:
+            owners[param] = max(owners.get(param, 0), widths[layer])
+    return owners
+
+
+def build_schedule(
+    graph: LayerGraph,
+    widths: Mapping[str, int],
+    layer_params: Mapping[str, Sequence[str]],
+    param_bytes: Mapping[str, int],
+    world_size: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Schedule:
+    """Lower a width per layer into the action lists every rank runs."""
+    stages = build_stages(graph, widths)
+    forward = lower_forward(graph, stages, world_size)
+    param_widths = param_owner_widths(widths, layer_params)
+    buckets, ready_after = plan_buckets(stages, layer_params, param_bytes, param_widths, bucket_bytes)
+    backward = lower_backward(graph, stages, forward, buckets, ready_after)
+    return Schedule(
+        world_size=world_size,
+        widths=dict(widths),
+        stages=stages,
+        buckets=tuple(buckets),
+        forward=tuple(forward),
+        backward=tuple(backward),
+        param_widths=param_widths,
+    )

@@ -1,0 +1,116 @@
+"""The cost model: compute at ceil(B / w), sync among the layer's devices, transfers on width changes."""
+
+import itertools
+
+import numpy as np
+import pytest
+from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
+
+from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.layout import balanced, busiest_rank_samples
+
+SIZES = dict(world_size=4, global_batch_size=10)
+
+
+def test_compute_uses_the_busiest_devices_batch_ceil_b_over_w():
+    graph = chain(1)
+    profile = linear_profile(graph, {"l0": (1e-3, 1e-4)}, max_batch=10)
+    assert cost.compute_time(profile, graph.layers[0], 3, 10) == pytest.approx(1e-3 + 4 * 1e-4)
+    assert cost.compute_time(profile, graph.layers[0], 1, 10) == pytest.approx(1e-3 + 10 * 1e-4)
+
+
+def test_compute_outside_the_profiled_batches_raises_instead_of_extrapolating():
+    graph = chain(1)
+    profile = linear_profile(graph, {"l0": (1e-3, 1e-4)}, max_batch=8)
+    with pytest.raises(ValueError, match=r"batch size 10 is outside the profiled range 1..8"):
+        cost.compute_time(profile, graph.layers[0], 1, 10)
+
+
+def test_sync_is_zero_on_one_device_and_the_allreduce_otherwise():
+    big = layer("fc", ["x"], params=1_000_000)
+    assert cost.sync_time(SLOW_LINK, big, 1) == 0.0
+    assert cost.sync_time(SLOW_LINK, big, 4) == SLOW_LINK.allreduce_time(4, 4_000_000)
+    assert cost.sync_time(SLOW_LINK, big, 4) > 0
+
+
+def test_transfer_is_zero_between_equal_widths():
+    assert cost.transfer_time(SLOW_LINK, 4096, 3, 3, **SIZES) == 0.0
+
+
+def test_transfer_counts_forward_and_backward_over_the_busiest_rank():
+    # 10 samples from (3,3,2,2) to (5,5,0,0): rank 1 keeps sample 5 and receives samples 6..9.
+    assert busiest_rank_samples(balanced(10, 4, 4), balanced(10, 2, 4)) == 4
+    expected = 2 * SLOW_LINK.redistribute_time(4 * 4096)
+    assert cost.transfer_time(SLOW_LINK, 4096, 4, 2, **SIZES) == pytest.approx(expected)
+
+
+def test_vectorized_busiest_samples_match_the_layout_reference():
+    for world_size, batch in [(1, 3), (4, 4), (4, 10), (5, 7), (9, 31), (8, 8)]:
+        widths = np.arange(1, world_size + 1)
+        matrix = cost.busiest_samples(widths, world_size, batch)
+        for a, b in itertools.product(widths, widths):
+            reference = busiest_rank_samples(
+                balanced(batch, int(a), world_size), balanced(batch, int(b), world_size)
+            )
+            assert matrix[a - 1, b - 1] == reference, (world_size, batch, a, b)
+
+
+def test_input_edges_are_charged_to_the_consumer_and_output_return_to_the_producer():
+    graph = chain(2, sample_bytes=1000)
+    profile = linear_profile(graph, {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=10)
+    step = cost.evaluate(graph, profile, {"l0": 2, "l1": 2}, **SIZES)
+    assert step.layers["l0"].transfer_s == pytest.approx(cost.transfer_time(SLOW_LINK, 4096, 4, 2, **SIZES))
+    assert step.layers["l1"].transfer_s == pytest.approx(cost.transfer_time(SLOW_LINK, 1000, 2, 4, **SIZES))
+
+
+def test_every_consumer_pays_for_its_own_edge():
+    graph = graph_of([layer("a", ["x"]), layer("b", ["a"]), layer("c", ["a", "b"], module=False)])
+    profile = linear_profile(graph, dict.fromkeys(["a", "b", "c"], (1e-3, 0)), max_batch=10)
+    step = cost.evaluate(graph, profile, {"a": 4, "b": 1, "c": 1}, **SIZES)
+    one_edge = cost.transfer_time(SLOW_LINK, 4096, 4, 1, **SIZES)
+    assert step.layers["b"].transfer_s == pytest.approx(one_edge)
+    assert step.layers["c"].transfer_s == pytest.approx(2 * one_edge)  # a -> c, and c back to the output
+
+
+def test_step_time_is_the_sum_of_every_layers_compute_sync_and_transfer():
+    graph = chain(3, params=1000)
+    profile = linear_profile(graph, dict.fromkeys(["l0", "l1", "l2"], (1e-3, 1e-4)), max_batch=10)
+    step = cost.evaluate(graph, profile, {"l0": 4, "l1": 1, "l2": 3}, **SIZES)
+    assert step.total_s == pytest.approx(
+        sum(c.compute_s + c.sync_s + c.transfer_s for c in step.layers.values())
+    )
+
+
+def test_ddp_baseline_has_no_transfers_and_syncs_every_layer_over_the_world():
+    graph = chain(2, params=1000)
+    profile = linear_profile(graph, dict.fromkeys(["l0", "l1"], (1e-3, 1e-4)), max_batch=10)
+    ddp = cost.ddp_baseline(graph, profile, **SIZES)
+    assert all(c.transfer_s == 0 for c in ddp.layers.values())
+    assert ddp.layers["l0"].sync_s == SLOW_LINK.allreduce_time(4, 4000)
+    assert ddp.layers["l0"].compute_s == pytest.approx(1e-3 + 3 * 1e-4)
+
+
+def test_memory_per_rank_counts_only_the_layers_a_rank_runs():
+    graph = chain(2, params=1000)
+    profile = linear_profile(
+        graph,
+        dict.fromkeys(["l0", "l1"], (1e-3, 1e-4)),
+        max_batch=10,
+        peak_bytes_per_sample={"l0": 100, "l1": 1000},
+    )
+    memory = cost.memory_per_rank(graph, profile, {"l0": 4, "l1": 1}, **SIZES)
+    l0, l1 = 100 * 3 + 8000, 1000 * 10 + 8000
+    assert memory == [l0 + l1, l0, l0, l0]
+
+
+def test_batch_smaller_than_world_is_rejected_with_what_to_change():
+    with pytest.raises(
+        ValueError, match=r"global batch size 3 is smaller than the world size 4;.*raise the batch"
+    ):
+        cost.check_sizes(4, 3)
+
+
+def test_a_profile_of_another_graph_is_rejected():
+    profile = linear_profile(chain(2), {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=10)
+    with pytest.raises(ValueError, match=r"the profile was made for graph .* profile this model again"):
+        cost.check_profile(chain(3), profile)

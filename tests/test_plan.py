@@ -1,0 +1,163 @@
+"""Plan files: exact JSON round trips, version and mismatch errors, validation, the summary table."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from planner_fixtures import chain, linear_profile
+
+from lightning_deeppool.planner.plan import PLAN_VERSION, Plan, plan_with_widths, validate_plan
+
+SIZES = dict(world_size=4, global_batch_size=8)
+
+
+def make_plan(widths=None, limit=2.0, graph=None):
+    graph = graph or chain(3, params=1000)
+    profile = linear_profile(graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8)
+    widths = widths or {"l0": 4, "l1": 1, "l2": 2}
+    return plan_with_widths(graph, profile, widths, **SIZES, amplification_limit=limit), graph
+
+
+def test_plan_records_widths_costs_and_both_predictions():
+    plan, _ = make_plan()
+    assert plan.version == PLAN_VERSION
+    assert plan.widths() == {"l0": 4, "l1": 1, "l2": 2}
+    assert plan.layers[1].compute_s == pytest.approx(1e-3 + 8 * 1e-4)
+    assert plan.layers[1].sync_s == 0.0
+    assert plan.layers[0].params == 1000
+    assert plan.layers[0].module == "l0"
+    assert plan.predicted_step_time_s == pytest.approx(
+        sum(item.compute_s + item.sync_s + item.transfer_s for item in plan.layers)
+    )
+    assert plan.predicted_ddp_step_time_s > 0
+
+
+def test_json_round_trip_is_exact():
+    plan, _ = make_plan()
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_an_infinite_amplification_limit_round_trips_as_the_string_inf():
+    plan, _ = make_plan(limit=math.inf)
+    text = plan.to_json()
+    assert json.loads(text)["amplification_limit"] == "inf"
+    assert Plan.from_json(text) == plan
+    assert math.isinf(Plan.from_json(text).amplification_limit)
+
+
+def test_json_has_the_documented_keys():
+    plan, _ = make_plan()
+    data = json.loads(plan.to_json())
+    assert set(data) == {
+        "version",
+        "world_size",
+        "global_batch_size",
+        "amplification_limit",
+        "predicted_step_time_s",
+        "predicted_ddp_step_time_s",
+        "graph_fingerprint",
+        "layers",
+    }
+    assert set(data["layers"][0]) == {
+        "name",
+        "module",
+        "width",
+        "compute_s",
+        "sync_s",
+        "transfer_s",
+        "params",
+    }
+
+
+def test_save_and_load_round_trip(tmp_path):
+    plan, _ = make_plan()
+    plan.save(tmp_path / "plans" / "plan.json")
+    assert Plan.load(tmp_path / "plans" / "plan.json") == plan
+
+
+def test_a_plan_of_another_version_fails_to_load():
+    plan, _ = make_plan()
+    data = plan.to_dict() | {"version": PLAN_VERSION + 1}
+    with pytest.raises(ValueError, match=f"plan version {PLAN_VERSION + 1} is not supported .* plan again"):
+        Plan.from_dict(data)
+
+
+def test_width_of_an_unknown_layer_is_a_key_error_listing_the_layers():
+    plan, _ = make_plan()
+    with pytest.raises(KeyError, match=r"layer 'fc' is not in the plan \(layers: l0, l1, l2\)"):
+        plan.width("fc")
+
+
+def test_check_matches_accepts_the_same_graph_and_world():
+    plan, graph = make_plan()
+    plan.check_matches(graph, 4)
+
+
+def test_check_matches_names_a_different_graph_and_its_layers():
+    plan, _ = make_plan()
+    with pytest.raises(ValueError, match=r"different graph .* layers missing from the plan: \['l3'\]"):
+        plan.check_matches(chain(4, params=1000), 4)
+
+
+def test_check_matches_notices_same_names_but_other_sizes():
+    plan, _ = make_plan()
+    with pytest.raises(
+        ValueError, match=r"different graph .* the layer names match but the structure or sizes"
+    ):
+        plan.check_matches(chain(3, params=2000), 4)
+
+
+def test_check_matches_names_a_different_world_size():
+    plan, graph = make_plan()
+    with pytest.raises(ValueError, match=r"made for world size 4, but the world size is 8; plan again"):
+        plan.check_matches(graph, 8)
+
+
+def test_validate_plan_names_a_layer_without_a_width():
+    plan, _ = make_plan()
+    with pytest.raises(ValueError, match=r"layer 'l3' has no width in the plan"):
+        validate_plan(plan, chain(4, params=1000))
+
+
+def test_validate_plan_names_a_layer_with_a_width_outside_the_world():
+    plan, graph = make_plan()
+    broken = replace(plan, layers=(replace(plan.layers[0], width=5), *plan.layers[1:]))
+    with pytest.raises(ValueError, match=r"layer 'l0' has width 5, outside 1..4"):
+        validate_plan(broken, graph)
+
+
+def test_costing_an_assignment_that_misses_a_layer_is_an_error():
+    graph = chain(2)
+    profile = linear_profile(graph, {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=8)
+    with pytest.raises(ValueError, match=r"layer 'l1' has no width"):
+        plan_with_widths(graph, profile, {"l0": 1}, **SIZES, amplification_limit=2.0)
+
+
+def test_idle_fraction_is_the_share_of_compute_time_a_rank_runs_no_layer():
+    plan, _ = make_plan(widths={"l0": 4, "l1": 1, "l2": 1})
+    l0, rest = plan.layers[0].compute_s, plan.layers[1].compute_s + plan.layers[2].compute_s
+    idle = rest / (l0 + rest)
+    assert plan.idle_fractions() == pytest.approx([0.0, idle, idle, idle])
+
+
+def test_table_lists_every_layer_and_summarizes_speedup_and_idle_ranks():
+    plan, _ = make_plan(widths={"l0": 4, "l1": 1, "l2": 1})
+    lines = plan.table().splitlines()
+    assert lines[0].split() == [
+        "layer",
+        "module",
+        "width",
+        "compute",
+        "ms",
+        "sync",
+        "ms",
+        "transfer",
+        "ms",
+        "params",
+    ]
+    assert lines[2].split()[:3] == ["l1", "l1", "1"]
+    assert lines[2].split()[3] == f"{plan.layers[1].compute_s * 1e3:.3f}"
+    assert f"speedup {plan.speedup:.2f}x" in lines[-2]
+    assert lines[-1].startswith("idle fraction per rank: r0 0%, r1-3 ")
+    assert len({len(line) for line in lines[:4]}) == 1  # aligned columns

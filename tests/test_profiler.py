@@ -1,0 +1,163 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_deeppool.planner.capture import CapturedGraph, capture_graph
+from lightning_deeppool.planner.profile import LayerProfile
+from lightning_deeppool.planner.profiler import (
+    assign_layers,
+    candidate_batch_sizes,
+    merge_layer_profiles,
+    profile_layers,
+)
+
+SIZES = [1, 3, 6]
+LAYERS = ["conv", "bn", "relu", "flatten", "emb", "cat", "fc", "drop"]
+
+
+class _Net(nn.Module):
+    """Conv + BatchNorm branch and an embedding branch (integer input), joined; dropout at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(4 * 6 * 6 + 8, 5)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x)).relu().flatten(1)
+        return self.drop(self.fc(torch.cat([h, self.emb(ids)], 1)))
+
+
+@pytest.fixture
+def net() -> _Net:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _capture(module: nn.Module) -> tuple[CapturedGraph, dict]:
+    args = (torch.randn(4, 3, 6, 6), torch.randint(0, 10, (4,)))
+    captured = capture_graph(module, args)
+    return captured, captured.bind(args, {})
+
+
+def _profile(module: nn.Module, **kwargs) -> dict[str, LayerProfile]:
+    captured, env = _capture(module)
+    return profile_layers(captured, env, SIZES, warmup=0, repeats=1, **kwargs)
+
+
+def test_candidate_batch_sizes_are_the_distinct_per_device_batches():
+    assert candidate_batch_sizes(32, 4) == [8, 11, 16, 32]
+
+
+def test_candidate_batch_sizes_stop_at_one_sample_per_device():
+    assert candidate_batch_sizes(3, 8) == [1, 2, 3]
+
+
+def test_candidate_batch_sizes_subset_is_geometric_and_keeps_both_ends():
+    assert candidate_batch_sizes(1024, 64, max_sizes=8) == [16, 29, 52, 94, 171, 342, 512, 1024]
+
+
+def test_candidate_batch_sizes_reject_an_empty_batch():
+    with pytest.raises(ValueError, match="global_batch_size >= 1"):
+        candidate_batch_sizes(0, 2)
+
+
+def test_profile_has_every_layer_at_every_batch_size(net):
+    profiles = _profile(net)
+    assert list(profiles) == LAYERS
+    for name, layer in profiles.items():
+        assert layer.name == name
+        assert layer.batch_sizes == tuple(SIZES)
+        assert len(layer.seconds) == len(SIZES) and all(s > 0 for s in layer.seconds)
+        assert layer.peak_bytes is None  # CPU
+
+
+def test_profile_time_grows_with_batch_size():
+    captured = capture_graph(nn.Linear(512, 512), (torch.randn(2, 512),))
+    env = captured.bind((torch.randn(2, 512),), {})
+    (layer,) = profile_layers(captured, env, [1, 512], warmup=1, repeats=3).values()
+    assert layer.seconds[1] > layer.seconds[0]
+
+
+def test_profiling_leaves_parameter_grads_none(net):
+    _profile(net)
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_profiling_keeps_batchnorm_running_stats(net):
+    before = {name: b.clone() for name, b in net.named_buffers()}
+    _profile(net)
+    for name, b in net.named_buffers():
+        assert torch.equal(b, before[name]), name
+
+
+def test_profiling_restores_training_flags(net):
+    net.train()
+    net.bn.eval()
+    _profile(net)
+    assert net.training and net.conv.training and net.drop.training
+    assert not net.bn.training
+
+
+def test_profiling_keeps_the_rng_state(net):
+    captured, env = _capture(net)
+    before = torch.get_rng_state()
+    profile_layers(captured, env, SIZES, warmup=0, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_profiling_subsets_and_merging_covers_all_layers(net):
+    captured, env = _capture(net)
+    names = [layer.name for layer in captured.graph.layers]
+    parts = [
+        profile_layers(captured, env, SIZES, layers=assign_layers(names, 3, rank), warmup=0, repeats=1)
+        for rank in range(3)
+    ]
+    merged = merge_layer_profiles(parts)
+    assert sorted(merged) == sorted(LAYERS)
+    assert all(layer.batch_sizes == tuple(SIZES) for layer in merged.values())
+
+
+def test_profiling_an_in_place_layer_works():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    captured = capture_graph(module, (torch.randn(2, 4),))
+    profiles = profile_layers(captured, captured.bind((torch.randn(2, 4),), {}), [1, 2], warmup=0, repeats=1)
+    assert list(profiles) == ["_0", "_1"]
+
+
+def test_a_failing_layer_is_named_with_its_batch_size():
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    captured = capture_graph(module, (torch.randn(2, 4),))
+    with pytest.raises(RuntimeError, match="profiling layer '_1' at per-device batch size 1 failed"):
+        profile_layers(captured, captured.bind((torch.randn(2, 4),), {}), [1, 2], warmup=0, repeats=1)
+
+
+def test_progress_is_reported_after_each_layer(net):
+    calls = []
+    _profile(net, layers=["conv", "fc"], progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 2), (2, 2)]
+
+
+def test_profiling_an_unknown_layer_names_it(net):
+    with pytest.raises(ValueError, match=r"no layers named \['nope'\]"):
+        _profile(net, layers=["nope"])
+
+
+def test_assign_layers_gives_each_layer_to_exactly_one_rank():
+    shares = [assign_layers(LAYERS, 3, rank) for rank in range(3)]
+    assert shares == [["conv", "flatten", "fc"], ["bn", "emb", "drop"], ["relu", "cat"]]
+
+
+def test_merge_rejects_a_layer_profiled_twice():
+    layer = LayerProfile("fc", (1, 2), (1.0, 2.0))
+    with pytest.raises(ValueError, match="layer 'fc' was profiled by more than one rank"):
+        merge_layer_profiles([{"fc": layer}, {"fc": layer}])
+
+
+def test_merge_rejects_different_batch_sizes():
+    parts = [{"a": LayerProfile("a", (1, 2), (1.0, 2.0))}, {"b": LayerProfile("b", (1, 4), (1.0, 2.0))}]
+    with pytest.raises(ValueError, match=r"ranks disagree"):
+        merge_layer_profiles(parts)
