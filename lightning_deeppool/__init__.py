@@ -6,10 +6,11 @@ Importing the package registers the strategy names ``"deeppool"`` (subprocess la
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_deeppool.background import BackgroundJob, BackgroundTrainers
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.strategy import DeepPoolStrategy
 
 DeepPoolStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DeepPoolStrategy", "Plan"]
+__all__ = ["BackgroundJob", "BackgroundTrainers", "DeepPoolStrategy", "Plan"]
 __version__ = "0.1.0"

@@ -4,10 +4,11 @@ import itertools
 
 import numpy as np
 import pytest
-from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.layout import balanced, busiest_rank_samples
+
+from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
 SIZES = dict(world_size=4, global_batch_size=10)
 

@@ -1,10 +1,11 @@
 import time
 
 import pytest
-from distributed import run_distributed
 
 from lightning_deeppool.planner.profile import CommProfile
 from lightning_deeppool.strategy.measure import default_group_sizes, fit_alpha_beta, measure_comm
+
+from distributed import run_distributed
 
 
 def _measure(rank: int) -> tuple[CommProfile, float]:

@@ -5,9 +5,10 @@ import math
 from dataclasses import replace
 
 import pytest
-from planner_fixtures import chain, linear_profile
 
 from lightning_deeppool.planner.plan import PLAN_VERSION, Plan, plan_with_widths, validate_plan
+
+from planner_fixtures import chain, linear_profile
 
 SIZES = dict(world_size=4, global_batch_size=8)
 

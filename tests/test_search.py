@@ -4,6 +4,10 @@ import math
 import random
 
 import pytest
+
+from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.search import amplification, candidate_widths, search
+
 from planner_fixtures import (
     brute_force,
     chain,
@@ -14,9 +18,6 @@ from planner_fixtures import (
     random_dag,
     random_times,
 )
-
-from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.search import amplification, candidate_widths, search
 
 INF = math.inf
 

@@ -88,15 +88,18 @@ def evaluate(module: fx.GraphModule, node: fx.Node, env: dict[str, Any]) -> Any:
     """Run one call/get_attr node with its arguments looked up in `env` (by node name)."""
     args = fx.node.map_arg(node.args, lambda n: env[n.name])
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+    target = node.target
+    if node.op == "call_function" and callable(target):
+        return target(*args, **kwargs)
+    if not isinstance(target, str):
+        raise ValueError(f"fx node {node.name!r} ({node.op}) has a non-string target {target!r}")
     if node.op == "call_module":
-        return module.get_submodule(node.target)(*args, **kwargs)
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
+        return module.get_submodule(target)(*args, **kwargs)
     if node.op == "call_method":
         receiver, *rest = args
-        return getattr(receiver, node.target)(*rest, **kwargs)
+        return getattr(receiver, target)(*rest, **kwargs)
     if node.op == "get_attr":
-        return _fetch_attr(module, node.target)
+        return _fetch_attr(module, target)
     raise ValueError(f"cannot evaluate fx node {node.name!r} with op {node.op!r}")
 
 
@@ -114,6 +117,7 @@ class _LayerTracer(fx.Tracer):
         super().__init__()
         self.leaf_modules = tuple(leaf_modules)
         self.path: list[str] = []
+        self.failed_in: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if any(
@@ -127,6 +131,11 @@ class _LayerTracer(fx.Tracer):
         self.path.append(self.path_of_module(m))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            # The innermost submodule being traced when tracing failed; outer frames keep it.
+            if self.failed_in is None:
+                self.failed_in = self.path[-1]
+            raise
         finally:
             self.path.pop()
 
@@ -160,14 +169,13 @@ def capture_graph(
     try:
         traced = tracer.trace(module, concrete_args=concrete or None)
     except Exception as err:
-        raise CaptureError(_trace_failure_message(module, tracer.path, err)) from err
+        raise CaptureError(_trace_failure_message(module, tracer.failed_in, err)) from err
     graph_module = fx.GraphModule(module, traced)
     captured = _cut_into_layers(graph_module, signature, bound.arguments)
     return captured
 
 
-def _trace_failure_message(module: nn.Module, path: list[str], err: Exception) -> str:
-    where = path[-1] if path and path[-1] else None
+def _trace_failure_message(module: nn.Module, where: str | None, err: Exception) -> str:
     if where:
         submodule = module.get_submodule(where)
         return (
@@ -216,7 +224,7 @@ def _cut_into_layers(
                     "across devices: return per-sample outputs and reduce in training_step instead."
                 )
             continue
-        nodes = _auxiliary_closure(node, kinds) + [node]
+        nodes = [*_auxiliary_closure(node, kinds), node]
         reads = _batch_reads(nodes, kinds)
         params = _parameters_used(gm, nodes)
         fresh = [p for p in params if p not in counted]
@@ -358,10 +366,10 @@ def _parameters_used(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[str]:
     used: dict[str, None] = {}
     for n in nodes:
         if n.op == "call_module":
-            for p in gm.get_submodule(n.target).parameters():
+            for p in gm.get_submodule(str(n.target)).parameters():
                 used[names[id(p)]] = None
         elif n.op == "get_attr":
-            value = _fetch_attr(gm, n.target)
+            value = _fetch_attr(gm, str(n.target))
             if isinstance(value, nn.Parameter):
                 used[names[id(value)]] = None
             elif isinstance(value, nn.Module):

@@ -11,12 +11,12 @@ from typing import NamedTuple
 
 
 class Transfer(NamedTuple):
-    """`count` samples starting at global sample `start` move from rank `src` to rank `dst`."""
+    """`samples` samples starting at global sample `start` move from rank `src` to rank `dst`."""
 
     src: int
     dst: int
     start: int
-    count: int
+    samples: int
 
 
 def balanced(total: int, width: int, world_size: int) -> tuple[int, ...]:
@@ -55,6 +55,6 @@ def busiest_rank_samples(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
     sent = [0] * len(src)
     received = [0] * len(src)
     for move in transfers(src, dst):
-        sent[move.src] += move.count
-        received[move.dst] += move.count
+        sent[move.src] += move.samples
+        received[move.dst] += move.samples
     return max((max(s, r) for s, r in zip(sent, received)), default=0)

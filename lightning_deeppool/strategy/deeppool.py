@@ -47,6 +47,7 @@ from lightning_deeppool.planner.profiler import (
 )
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S, search
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
+from lightning_deeppool.strategy.amp import make_scaler_agree
 from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.measure import measure_comm
@@ -135,6 +136,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._groups: PlanGroups | None = None
         self._target: nn.Module | None = None
         self._captured: CapturedGraph | None = None
+        self._sync_gradients = True
 
     @classmethod
     @override
@@ -170,6 +172,9 @@ class DeepPoolStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._replace_forward()
         self._agree_on_clipping()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            make_scaler_agree(scaler, self.root_device)
 
     @override
     def on_train_end(self) -> None:
@@ -188,18 +193,59 @@ class DeepPoolStrategy(DDPStrategy):
             dist.destroy_process_group()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say where in the burst schedule a failure (a collective timeout, say) happened."""
+        action = self._runtime.last_action if self._runtime is not None else None
+        if action is not None and hasattr(exception, "add_note"):
+            exception.add_note(
+                f"deeppool: rank {self.global_rank} was running action {action} of the plan's schedule"
+            )
+
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip gradient all-reduces on accumulation steps; the last micro-batch syncs the sum."""
-        runtime = self._runtime
-        if runtime is None:
-            yield
-            return
-        runtime.sync_gradients = False
+        """Skip gradient all-reduces on accumulation steps; the last micro-batch syncs the sum.
+
+        The flag is kept on the strategy too: the first micro-batch's forward installs the runtime
+        inside this block, and that runtime must not sync either.
+        """
+        self._sync_gradients = False
+        if self._runtime is not None:
+            self._runtime.sync_gradients = False
         try:
             yield
         finally:
-            runtime.sync_gradients = True
+            self._sync_gradients = True
+            if self._runtime is not None:
+                self._runtime.sync_gradients = True
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_check() -> Any:
+            result = closure()
+            self._check_installed()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
+
+    def _check_installed(self) -> None:
+        """A training step that never ran the planned forward installed no plan: its gradients were
+        not synchronized. Every rank ran the same step, so every rank raises here."""
+        if self._runtime is not None or self.world_size < 2:
+            return
+        target = self._target if self._target is not None else self._planned_module()
+        raise RuntimeError(
+            f"deeppool: the training step did not call {type(target).__name__}.forward, so no plan was "
+            "installed and gradients would not be synchronized across ranks. Call the model's forward "
+            "in training_step (self(x)), or set DeepPoolStrategy(module='<name>') to the submodule "
+            "training_step calls."
+        )
 
     # ------------------------------------------------------------------------ forward takeover
     def _planned_module(self) -> nn.Module:
@@ -246,23 +292,21 @@ class DeepPoolStrategy(DDPStrategy):
         """Capture, profile (or load), plan on rank 0, broadcast, and install on every rank."""
         target = self._target
         assert target is not None
+        # Before capture: a rank without samples cannot trace, and must fail with the others.
+        global_batch = self._global_batch_size(args, kwargs)
         captured = on_every_rank(lambda: capture_graph(target, args, kwargs, leaf_modules=self.leaf_modules))
         env = captured.bind(args, kwargs)
-        global_batch = self._global_batch_size(env, captured)
         if self.plan is None:
             self.plan = self._make_plan(captured, env, global_batch)
         self.plan.check_matches(captured.graph, self.world_size)
         self._activate(captured)
 
-    def _global_batch_size(self, env: dict[str, Any], captured: CapturedGraph) -> int:
-        leaves = [
-            t
-            for name in captured.batch_inputs
-            for t in pytree.tree_leaves(env[name])
-            if isinstance(t, torch.Tensor)
-        ]
+    def _global_batch_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Sum of the ranks' sample counts (tensor arguments are batches). Collective."""
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         counts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(counts, leaves[0].shape[0] if leaves else 0)
+        with self.idle_windows.window():
+            dist.all_gather_object(counts, leaves[0].shape[0] if leaves else 0)
         total = sum(counts)
         if total < self.world_size:
             raise ValueError(
@@ -389,12 +433,16 @@ class DeepPoolStrategy(DDPStrategy):
             params={**params, **unplanned},
             unplanned=list(unplanned),
             idle=self.idle_windows,
+            redistribution=self._groups.redistribution,
         )
+        self._runtime.sync_gradients = self._sync_gradients
         self._captured = captured
         owner = {id(p): schedule.param_widths.get(name, self.world_size) for name, p in params.items()}
         _prune_optimizers(self.optimizers, lambda p: self.global_rank < owner.get(id(p), self.world_size))
 
     def _uninstall(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
         if self._groups is not None:
             self._groups.destroy()
         self._groups = None
@@ -412,7 +460,8 @@ class DeepPoolStrategy(DDPStrategy):
             norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
             norm = norm.to(self.root_device, torch.float32)
             if self._runtime is not None:
-                dist.broadcast(norm, src=0)
+                with self.idle_windows.window():
+                    dist.broadcast(norm, src=0)
             torch.nn.utils.clip_grads_with_norm_(grads, clip_val, norm)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]

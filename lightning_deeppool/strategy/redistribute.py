@@ -21,13 +21,15 @@ def redistribute(
     dtype: torch.dtype,
     device: torch.device,
     waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor | None:
     """Return this rank's part of the batch under layout `dst`, given its part under `src`.
 
     Every rank whose samples move must call it with the same layouts; the others may skip it.
     `local` is None on ranks that hold nothing under `src`; ranks that hold nothing under `dst`
     get None back. Messages are posted sorted by peer so every pair of ranks agrees on order.
-    The wait for them runs inside `waiting()` (an idle window).
+    The wait for them runs inside `waiting()` (an idle window); `group` (default: the world) must
+    contain every rank, peers being global ranks.
     """
     src_start, dst_start = offsets(src)[rank], offsets(dst)[rank]
     out = torch.empty((dst[rank], *sample_shape), dtype=dtype, device=device) if dst[rank] else None
@@ -38,11 +40,11 @@ def redistribute(
     ops = []
     for move in transfers(src, dst):
         if move.src == rank and local is not None:
-            piece = local[move.start - src_start : move.start - src_start + move.count].contiguous()
-            ops.append(dist.P2POp(dist.isend, piece, move.dst))
+            piece = local[move.start - src_start : move.start - src_start + move.samples].contiguous()
+            ops.append(dist.P2POp(dist.isend, piece, move.dst, group))
         elif move.dst == rank and out is not None:
-            view = out[move.start - dst_start : move.start - dst_start + move.count]
-            ops.append(dist.P2POp(dist.irecv, view, move.src))
+            view = out[move.start - dst_start : move.start - dst_start + move.samples]
+            ops.append(dist.P2POp(dist.irecv, view, move.src, group))
     if ops:
         works = dist.batch_isend_irecv(ops)
         with waiting():

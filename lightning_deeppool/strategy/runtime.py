@@ -62,6 +62,7 @@ class BurstRuntime:
         params: Mapping[str, nn.Parameter],
         unplanned: Sequence[str] = (),
         idle: IdleWindows | None = None,
+        redistribution: dist.ProcessGroup | None = None,
     ) -> None:
         self.captured = captured
         self.schedule = schedule
@@ -70,8 +71,22 @@ class BurstRuntime:
         self.device = device
         self.sync_gradients = True
         self.idle = idle or IdleWindows()
-        local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-        self.grad_sync = GradSync(params, groups, self.world_size, local, unplanned, self.idle.window)
+        self.redistribution = redistribution
+        self.last_action: Action | None = None
+        uses: dict[str, int] = {}
+        for names in captured.layer_params.values():
+            for name in names:
+                uses[name] = uses.get(name, 0) + 1
+        self.grad_sync = GradSync(
+            params,
+            groups,
+            self.world_size,
+            [bucket for bucket in schedule.buckets if rank < bucket.width],
+            local=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
+            unplanned=unplanned,
+            uses=uses,
+            waiting=self.idle.window,
+        )
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
         self._output = next(n for n in captured.module.graph.nodes if n.op == "output")
         self._handlers: dict[str, Callable[[_Step, Action], None]] = {
@@ -112,7 +127,7 @@ class BurstRuntime:
         mine = torch.tensor([count, digest], dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         with self.idle.window():
-            dist.all_gather(gathered, mine)
+            dist.all_gather(gathered, mine, group=self.redistribution)
         rows = [tuple(int(x) for x in t.tolist()) for t in gathered]
         if len({row[1] for row in rows}) > 1:
             raise ValueError(
@@ -130,6 +145,7 @@ class BurstRuntime:
 
     def _run(self, step: _Step, actions: Sequence[Action]) -> None:
         for action in actions:
+            self.last_action = action
             with torch.profiler.record_function(f"deeppool:{action}"):
                 self._handlers[action.kind](step, action)
 
@@ -157,8 +173,9 @@ class BurstRuntime:
             return current
         key = (value, width)
         if key not in step.leaves:
-            flat, spec = pytree.tree_flatten(current)
-            step.leaves[key] = [t.detach().requires_grad_(t.is_floating_point()) for t in flat]
+            step.leaves[key] = [
+                t.detach().requires_grad_(t.is_floating_point()) for t in pytree.tree_leaves(current)
+            ]
         flat = [t.clone() if t.requires_grad else t for t in step.leaves[key]]
         return pytree.tree_unflatten(flat, step.meta[value].spec)
 
@@ -204,6 +221,7 @@ class BurstRuntime:
                     dtype=leaf.dtype,
                     device=self.device,
                     waiting=self.idle.window,
+                    group=self.redistribution,
                 )
             )
         return moved if dst[self.rank] > 0 else None
@@ -241,6 +259,8 @@ class BurstRuntime:
         for (name, i), grad in zip(slots, grads):
             if grad is not None:
                 _accumulate(step, (name, self.world_size), i, grad, len(step.meta[name].leaves))
+        self.grad_sync.enabled = self.sync_gradients
+        self.grad_sync.begin()
         self._run(step, self.schedule.backward)
 
     def _backward_stage(self, step: _Step, action: Action) -> None:
@@ -291,13 +311,14 @@ class BurstRuntime:
                     _accumulate(step, (action.value, action.src), i, grad, len(meta.leaves))
 
     def _sync(self, step: _Step, action: Action) -> None:
-        bucket = self.schedule.buckets[action.index]
-        if self.sync_gradients and self.rank < bucket.width:
-            self.grad_sync.launch(bucket)
+        self.grad_sync.launch_through(self.schedule.buckets[action.index])
 
     def _wait(self, step: _Step, action: Action) -> None:
-        if self.sync_gradients:
-            self.grad_sync.finish()
+        self.grad_sync.finish()
+
+    def close(self) -> None:
+        """Detach from the module: remove gradient hooks."""
+        self.grad_sync.close()
 
 
 def _accumulate(step: _Step, key: Key, index: int, grad: torch.Tensor, count: int) -> None:

@@ -194,27 +194,32 @@ def plan_buckets(
                 first_user.setdefault(param, stage.index)
     buckets: list[Bucket] = []
     ready_after: dict[int, list[int]] = {}
+
+    def close(stage: int, width: int, chunk: list[str]) -> None:
+        buckets.append(Bucket(len(buckets), width, tuple(chunk)))
+        ready_after.setdefault(stage, []).append(buckets[-1].index)
+
     for stage in reversed(stages):
-        final = [p for p, s in first_user.items() if s == stage.index and param_widths[p] > 1]
-        open_buckets: dict[int, list[str]] = {}
-        sizes: dict[int, int] = {}
+        # Backward meets a stage's parameters in reverse forward order: bucket them that way.
+        final = [p for p, s in first_user.items() if s == stage.index and param_widths[p] > 1][::-1]
+        by_width: dict[int, list[str]] = {}
         for param in final:
-            width = param_widths[param]
-            open_buckets.setdefault(width, []).append(param)
-            sizes[width] = sizes.get(width, 0) + param_bytes[param]
-        for width in sorted(open_buckets):
+            by_width.setdefault(param_widths[param], []).append(param)
+        for width in sorted(by_width):
             chunk: list[str] = []
             chunk_bytes = 0
-            for param in open_buckets[width]:
+            for param in by_width[width]:
+                if param_bytes[param] >= bucket_bytes and chunk:
+                    # A parameter as large as a bucket goes alone: it is reduced without a copy.
+                    close(stage.index, width, chunk)
+                    chunk, chunk_bytes = [], 0
                 chunk.append(param)
                 chunk_bytes += param_bytes[param]
                 if chunk_bytes >= bucket_bytes:
-                    buckets.append(Bucket(len(buckets), width, tuple(chunk)))
-                    ready_after.setdefault(stage.index, []).append(buckets[-1].index)
+                    close(stage.index, width, chunk)
                     chunk, chunk_bytes = [], 0
             if chunk:
-                buckets.append(Bucket(len(buckets), width, tuple(chunk)))
-                ready_after.setdefault(stage.index, []).append(buckets[-1].index)
+                close(stage.index, width, chunk)
     return buckets, ready_after
 
 

@@ -1,0 +1,198 @@
+"""Background trainers: foreground step time without and with two background jobs, and throughput.
+
+    python benchmarks/background.py [--steps 40]
+
+A VGG-like foreground (cheap convolutions, ~13M-parameter linear head, global batch 32) on 2 ranks
+with a pinned burst plan (convolutions on both ranks, head on rank 0), run once alone and once with
+two background jobs placed by the callback. Each job is also trained alone in one process. Total
+throughput = foreground rate / its rate alone + sum of each job's rate / its rate alone. CPU: gloo
+ranks, idle-window mode; with CUDA the same on the GPUs, priority mode. Writes
+benchmarks/results/background.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
+from lightning_deeppool.background.job import run_standalone
+
+RESULTS = Path(__file__).parent / "results" / "background.json"
+
+
+class VGGLike(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * 8 * 8, 3072), nn.ReLU(), nn.Linear(3072, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class Trial(pl.LightningModule):
+    """The background job: a small convolutional classifier (short pieces per submodule)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(4),
+            nn.Flatten(),
+            nn.Linear(16 * 8 * 8, 10),
+        )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+def images(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def trial_data() -> DataLoader:
+    return DataLoader(images(512, seed=1), batch_size=16, shuffle=True)
+
+
+class StepTimes(Callback):
+    """Rank 0 writes its foreground step times (and the background report) to `out`."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.times.append(time.perf_counter() - self._start)
+
+    def teardown(self, trainer, pl_module, stage) -> None:  # type: ignore[no-untyped-def]
+        background = next((c for c in trainer.callbacks if isinstance(c, BackgroundTrainers)), None)
+        report = {
+            "times": self.times,
+            "jobs": background.summary() if background else [],
+            "idle_s": background.idle_step_s if background else [],
+            "active_s": background.active_step_s if background else [],
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def foreground(steps: int, jobs: list[BackgroundJob], out: Path, accelerator: str) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks: list[Callback] = [BackgroundTrainers(jobs, warmup_steps=3)] if jobs else []
+    callbacks.append(StepTimes(out))
+    strategy = DeepPoolStrategy(
+        start_method="spawn", plan={"features": 2, "classifier": 1, "": 2}, cache_dir=False, profile_repeats=2
+    )
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+    )
+    trainer.fit(VGGLike(), DataLoader(images(16 * 2 * steps), batch_size=16))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--workdir", default="/tmp/deeppool_background_bench")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    accelerator = "cuda" if cuda else "cpu"
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)  # jobs would resume from an earlier run's checkpoints
+    skip = 5  # planning and warm-up steps
+
+    alone = foreground(args.steps, [], work / "alone", accelerator)
+    fg_alone = statistics.median(alone[0]["times"][skip:])
+    jobs = [
+        BackgroundJob(Trial, trial_data, name=f"trial{i}", checkpoint_dir=work / "ckpt", seed=i)
+        for i in range(2)
+    ]
+    shared = foreground(args.steps, jobs, work / "shared", accelerator)
+    fg_shared = statistics.median(shared[0]["times"][skip:])
+
+    device = torch.device("cuda" if cuda else "cpu")
+    standalone = []
+    for i in range(2):
+        job = BackgroundJob(
+            Trial, trial_data, max_steps=200, name=f"alone{i}", checkpoint_dir=work / "alone_ckpt", seed=i
+        )
+        standalone.append(run_standalone(job, device).samples_per_s)
+    rows = [job for rank in shared for job in rank["jobs"]]
+    bg = {row["name"]: row["samples_per_s"] for row in rows}
+    normalized = [bg[f"trial{i}"] / standalone[i] for i in range(2)]
+    total = fg_alone / fg_shared + sum(normalized)
+    result = {
+        "device": accelerator,
+        "world_size": 2,
+        "global_batch": 32,
+        "steps": args.steps,
+        "foreground_step_ms_alone": fg_alone * 1e3,
+        "foreground_step_ms_with_background": fg_shared * 1e3,
+        "foreground_slowdown": fg_shared / fg_alone,
+        "callback_idle_vs_active_ms": [
+            {
+                "rank": r,
+                "idle": statistics.median(rep["idle_s"]) * 1e3 if rep["idle_s"] else None,
+                "active": statistics.median(rep["active_s"]) * 1e3 if rep["active_s"] else None,
+            }
+            for r, rep in enumerate(shared)
+        ],
+        "background_jobs": rows,
+        "background_samples_per_s_alone": standalone,
+        "background_normalized": normalized,
+        "total_throughput_vs_foreground_alone": total,
+        "targets": {"slowdown_at_most": 1.10, "total_at_least": 1.3},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "background_jobs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Lightning's "ddp" against "deeppool" (automatic plan) and deeppool at full width, side by side.
+
+A VGG-like model (cheap convolutions, a ~13M-parameter linear head) at global batch 32 on 2 CPU
+ranks (one thread each). Each configuration runs as its own `python benchmarks/vs_ddp.py --run`
+process (Lightning's popen launcher starts the second rank); runs alternate between configurations
+and the steady-state step time is the median over steps after warm-up, then over runs. Writes
+`benchmarks/results/vs_ddp.json`.
+
+    python benchmarks/vs_ddp.py [--runs 3] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_deeppool
+
+CONFIGS = ("ddp", "deeppool", "deeppool_full_width")
+RESULTS = Path(__file__).parent / "results" / "vs_ddp.json"
+
+
+class VGGLike(pl.LightningModule):
+    """Small convolutions on 32x32 images, then a 16384 -> 768 linear layer (12.6M params)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 16 * 16, 768), nn.ReLU(), nn.Linear(768, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class StepTimer(pl.Callback):
+    """Wall time between consecutive training-batch starts (everything a step costs)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+def run_one(config: str, steps: int, out: Path) -> None:
+    """One training run (the launcher starts the second rank by running this script again)."""
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(16 * 2 * (steps + 2), 3, 32, 32), torch.randint(0, 10, (16 * 2 * (steps + 2),)))
+    if config == "ddp":
+        strategy: object = "ddp"
+    else:
+        plan = {"": 2} if config == "deeppool_full_width" else None
+        strategy = lightning_deeppool.DeepPoolStrategy(plan=plan, cache_dir=False)
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(VGGLike(), DataLoader(data, batch_size=16))
+    warm = timer.times[5:]
+    result = {
+        "config": config,
+        "rank": trainer.global_rank,
+        "step_time_s": statistics.median(warm),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    plan_obj = getattr(trainer.strategy, "plan", None)
+    if plan_obj is not None:
+        result["predicted_step_time_s"] = plan_obj.predicted_step_time_s
+        result["widths"] = plan_obj.widths()
+    per_rank = out.with_suffix(f".rank{trainer.global_rank}.json")
+    per_rank.write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        run_one(args.run, args.steps, args.out)
+        return
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    samples: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(args.runs):
+            for config in CONFIGS:
+                out = Path(tmp) / f"{config}-{run}"
+                cmd = [sys.executable, __file__, "--run", config, "--steps", str(args.steps), "--out", str(out)]
+                subprocess.run(cmd, check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL)
+                ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob(f"{config}-{run}.rank*.json"))]
+                samples[config].append({"ranks": ranks})
+                print(f"run {run} {config}: " + ", ".join(f"{r['step_time_s'] * 1e3:.1f} ms" for r in ranks), flush=True)
+    summary = _summarize(samples)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+def _summarize(samples: dict[str, list[dict]]) -> dict:
+    def step_time(config: str) -> float:
+        # A step ends when the slowest rank ends: take the max over ranks, the median over runs.
+        return statistics.median(max(r["step_time_s"] for r in s["ranks"]) for s in samples[config])
+
+    def peak_rss(config: str) -> list[float]:
+        ranks = len(samples[config][0]["ranks"])
+        return [statistics.median(s["ranks"][i]["peak_rss_mb"] for s in samples[config]) for i in range(ranks)]
+
+    ddp = step_time("ddp")
+    summary: dict = {"setup": "2 CPU ranks (1 thread each), gloo, global batch 32, VGG-like, 12.6M-param head"}
+    for config in CONFIGS:
+        entry = {"step_time_ms": step_time(config) * 1e3, "speedup_vs_ddp": ddp / step_time(config)}
+        entry["peak_rss_mb_per_rank"] = peak_rss(config)
+        predicted = [s["ranks"][0].get("predicted_step_time_s") for s in samples[config]]
+        if predicted[0] is not None:
+            entry["predicted_step_time_ms"] = statistics.median(predicted) * 1e3
+            entry["measured_over_predicted"] = step_time(config) / statistics.median(predicted)
+            entry["widths"] = samples[config][-1]["ranks"][0]["widths"]
+        summary[config] = entry
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The safe point every background piece passes through: it paces, pauses and stops jobs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from lightning_deeppool.background.throttle import may_run, pause_after
+from lightning_deeppool.strategy.idle import IdleWindows
+
+_POLL_S = 0.02
+
+
+class Stopped(Exception):
+    """Raised at a safe point of a background job once the foreground has ended."""
+
+
+class Gate:
+    """Shared by the jobs of one rank; the callback (main thread) sets `mode`, `duty` and `held`.
+
+    `enter` rests after a piece so pieces take `duty` of the time, then blocks while the policy
+    (`throttle.may_run`) says no, and raises `Stopped` as soon as `stop` is set.
+    """
+
+    def __init__(self, windows: IdleWindows, mode: str) -> None:
+        self.windows = windows
+        self.mode = mode
+        self.duty = 1.0
+        self.held = False
+        self.stop = threading.Event()
+
+    def enter(self, piece_s: float, paused: Callable[[bool], None]) -> None:
+        if self.stop.is_set():
+            raise Stopped
+        rest = pause_after(piece_s, self.duty)
+        if rest > 0 and self.stop.wait(rest):
+            raise Stopped
+        if self._allowed():
+            return
+        paused(True)
+        while not self._allowed():
+            # A held gate with an open window would spin on wait_open: sleep instead.
+            if self.held or self.mode == "priority":
+                self.stop.wait(_POLL_S)
+            else:
+                self.windows.wait_open(_POLL_S)
+            if self.stop.is_set():
+                raise Stopped
+        paused(False)
+
+    def _allowed(self) -> bool:
+        return may_run(self.mode, window_open=self.windows.is_open, held=self.held)

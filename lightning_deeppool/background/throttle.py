@@ -1,0 +1,82 @@
+"""The background throttle as pure policy: when a background piece may run and how much time it gets.
+
+Modes:
+    ``"idle"``: only inside the idle windows the deeppool runtime announces (it waits on other ranks).
+    ``"priority"``: CUDA only; any time, on a low-priority stream, paced by the adaptive duty.
+    ``"between_steps"``: the fallback without idle windows (one device, plain DDP, ...): the callback
+        opens a window of ``(max_slowdown - 1) * duty * baseline`` seconds after each foreground step.
+Every mode is paced by a duty (the share of time background pieces may take), adapted so that the
+foreground's step time stays within ``max_slowdown`` of its time without background.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["idle", "priority", "between_steps"]
+MODES: tuple[str, ...] = ("idle", "priority", "between_steps")
+MIN_DUTY = 1 / 64
+DUTY_STEP = 1 / 8
+
+
+def choose_mode(requested: str, *, cuda: bool, has_windows: bool) -> Mode:
+    """Resolve ``"auto"`` (CUDA: priority; else idle windows when the runtime has them, else
+    between_steps) and check that an explicit mode is possible here."""
+    match requested:
+        case "auto":
+            if cuda:
+                return "priority"
+            return "idle" if has_windows else "between_steps"
+        case "idle":
+            if not has_windows:
+                raise ValueError(
+                    "background mode 'idle' needs the idle windows of a deeppool runtime with at least 2 "
+                    "ranks, and none opened during the warm-up steps; use mode='between_steps' or 'auto'"
+                )
+            return "idle"
+        case "priority":
+            if not cuda:
+                raise ValueError(
+                    "background mode 'priority' needs CUDA streams; on CPU use 'idle', 'between_steps' "
+                    "or 'auto'"
+                )
+            return "priority"
+        case "between_steps":
+            return "between_steps"
+        case _:
+            raise ValueError(f"unknown background mode {requested!r}; expected 'auto' or one of {MODES}")
+
+
+def may_run(mode: str, *, window_open: bool, held: bool) -> bool:
+    """Whether a background job may issue its next piece now. `held`: the foreground is measuring
+    its step time without background."""
+    match mode:
+        case "idle" | "between_steps":
+            return window_open and not held
+        case "priority":
+            return not held
+        case _:
+            raise ValueError(f"unknown background mode {mode!r}; expected one of {MODES}")
+
+
+def next_duty(duty: float, *, baseline_s: float, observed_s: float, max_slowdown: float) -> float:
+    """Additive increase, multiplicative decrease: halve the duty when the foreground step took
+    longer than ``max_slowdown * baseline_s``, else grow it by 1/8 (bounded to [1/64, 1])."""
+    if baseline_s <= 0 or observed_s <= 0:
+        raise ValueError(f"step times must be positive, got baseline {baseline_s} s, observed {observed_s} s")
+    if observed_s > max_slowdown * baseline_s:
+        return max(MIN_DUTY, duty / 2)
+    return min(1.0, duty + DUTY_STEP)
+
+
+def pause_after(piece_s: float, duty: float) -> float:
+    """Seconds to rest after a piece of `piece_s` seconds so pieces take `duty` of the time."""
+    if not 0 < duty <= 1:
+        raise ValueError(f"duty must be in (0, 1], got {duty}")
+    return piece_s * (1 - duty) / duty
+
+
+def window_budget(baseline_s: float, *, max_slowdown: float, duty: float) -> float:
+    """Length of the between-steps window: the slowdown allowance of one foreground step, scaled
+    by the duty."""
+    return max(0.0, (max_slowdown - 1.0) * baseline_s * duty)

@@ -1,0 +1,461 @@
+"""The ``deeppool`` command: plan a model, show a plan, project scaling, all without a cluster.
+
+    deeppool plan pkg.module:ClassName --input-shape 3,32,32 --devices 8 --global-batch-size 256
+    deeppool show plan.json [--chart plan.png]
+    deeppool simulate --profile profile.json --global-batch-size 256 --devices 8,16,32,64
+
+Profiles are measured on this machine; communication uses ``--bandwidth``/``--latency-us`` or the
+defaults in `lightning_deeppool.planner.profile` (there is no process group to measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from jsonargparse import ArgumentParser
+
+from lightning_deeppool.planner.capture import CapturedGraph, CaptureError, capture_graph
+from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.planner.plan import Plan
+from lightning_deeppool.planner.profile import (
+    DEFAULT_BANDWIDTH_BYTES_PER_S,
+    DEFAULT_LATENCY_S,
+    AlphaBeta,
+    CommProfile,
+    Profile,
+)
+from lightning_deeppool.planner.profiler import candidate_batch_sizes, profile_layers
+from lightning_deeppool.planner.search import search
+from lightning_deeppool.planner.simulate import Projection, parse_devices, project, table
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs: reported argparse-style, exit code 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except UsageError as err:
+        args.subparser.error(str(err))
+
+
+# ----------------------------------------------------------------------------------- commands
+def plan_command(args: argparse.Namespace) -> None:
+    """Capture, profile (or load a profile), search, print the table and write the plan."""
+    graph, profile = _graph_and_profile(args, world_size=args.devices)
+    profile = _with_comm(profile, args)
+    pins = _parse_pins(args.pin)
+    try:
+        plan = search(
+            graph,
+            profile,
+            world_size=args.devices,
+            global_batch_size=args.global_batch_size,
+            amplification_limit=args.amplification_limit,
+            pins=pins,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(plan.table())
+    plan.save(args.out)
+    print(f"plan written to {args.out}")
+
+
+def show_command(args: argparse.Namespace) -> None:
+    """Print a plan file's table; with --chart, save a chart of width and time per layer."""
+    plan = _load(Plan.load, args.plan, "plan")
+    print(plan.table())
+    if args.chart:
+        _plan_chart(plan, args.chart)
+        print(f"chart written to {args.chart}")
+
+
+def simulate_command(args: argparse.Namespace) -> None:
+    """Project DDP, burst and burst + background fill over device counts at a fixed global batch."""
+    try:
+        devices = parse_devices(args.devices)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.module_path is None and args.profile is None:
+        raise UsageError("give a profile (--profile profile.json) or a model (MODULE_PATH --input-shape ...)")
+    graph, profile = _graph_and_profile(args, world_size=max(devices))
+    profile = _with_comm(profile, args)
+    try:
+        projections = project(
+            graph,
+            profile,
+            devices=devices,
+            global_batch_size=args.global_batch_size,
+            amplification_limit=args.amplification_limit,
+            background_efficiency=args.background_efficiency,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(table(projections))
+    if args.chart:
+        _simulation_chart(projections, args.chart)
+        print(f"chart written to {args.chart}")
+
+
+# ----------------------------------------------------------------------------- graph, profile
+def _graph_and_profile(args: argparse.Namespace, *, world_size: int) -> tuple[LayerGraph, Profile]:
+    """The model's graph and a profile covering per-device batches ceil(B/N)..B for N <= world_size.
+
+    With --profile and no MODULE_PATH the graph comes from the profile file (written by --profile-out).
+    """
+    if args.module_path is None:
+        return _load_profile_file(args.profile)
+    if args.input_shape is None:
+        raise UsageError("MODULE_PATH needs --input-shape (the per-sample shape, e.g. 3,32,32)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    captured, env = _capture(args, device)
+    if args.profile is not None:
+        return captured.graph, _load(Profile.load, args.profile, "profile")
+    try:
+        sizes = candidate_batch_sizes(args.global_batch_size, world_size)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    profile = _measure(captured, env, sizes, args, device)
+    if args.profile_out:
+        _save_profile_file(args.profile_out, captured.graph, profile)
+        print(f"profile written to {args.profile_out}")
+    return captured.graph, profile
+
+
+def _capture(args: argparse.Namespace, device: torch.device) -> tuple[CapturedGraph, dict[str, Any]]:
+    """The captured graph of the model and a random two-sample example batch bound to its forward."""
+    shape = _parse_shape(args.input_shape)
+    dtype = getattr(torch, args.input_dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--input-dtype {args.input_dtype!r} is not a torch dtype (e.g. float32, int64)")
+    model = _construct(args.module_path, args.config)
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(
+            f"{args.module_path} is a {type(model).__name__}, not a LightningModule or nn.Module"
+        )
+    if args.module is not None:
+        try:
+            model = model.get_submodule(args.module)
+        except AttributeError:
+            children = [name for name, _ in model.named_children()]
+            raise UsageError(f"--module {args.module!r}: no such submodule; children: {children}") from None
+    model.to(device)
+    # Integer inputs (token ids, indices) are zeros: valid for any embedding table.
+    example = (
+        torch.randn(2, *shape, device=device).to(dtype)
+        if dtype.is_floating_point
+        else torch.zeros(2, *shape, dtype=dtype, device=device)
+    )
+    try:
+        captured = capture_graph(model, (example,), leaf_modules=args.leaf)
+    except CaptureError as err:
+        raise UsageError(str(err)) from None
+    except TypeError as err:
+        raise UsageError(f"the model's forward must take one batch tensor: {err}") from None
+    return captured, captured.bind((example,), {})
+
+
+def _measure(
+    captured: CapturedGraph,
+    env: dict[str, Any],
+    sizes: list[int],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> Profile:
+    """Each layer's forward+backward time at each per-device batch size, on `device`."""
+
+    def progress(done: int, total: int) -> None:
+        print(f"profiling layers {done}/{total}", end="\n" if done == total else "\r", flush=True)
+
+    layers = profile_layers(
+        captured,
+        env,
+        sizes,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        device=device,
+        progress=progress,
+    )
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu-{torch.get_num_threads()}threads"
+    )
+    dtype = str(next((p.dtype for p in captured.module.parameters()), torch.float32))
+    return Profile(captured.graph.fingerprint, name, dtype, layers)
+
+
+def _with_comm(profile: Profile, args: argparse.Namespace) -> Profile:
+    """The profile with --bandwidth/--latency-us as its link, when either is given."""
+    if args.bandwidth is None and args.latency_us is None:
+        return profile
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else DEFAULT_BANDWIDTH_BYTES_PER_S
+    latency = args.latency_us * 1e-6 if args.latency_us is not None else DEFAULT_LATENCY_S
+    if bandwidth <= 0 or latency < 0:
+        raise UsageError(
+            f"--bandwidth must be > 0 and --latency-us >= 0, got {args.bandwidth}, {args.latency_us}"
+        )
+    return dataclasses.replace(profile, comm=CommProfile(link=AlphaBeta(latency, 1.0 / bandwidth)))
+
+
+def _save_profile_file(path: str, graph: LayerGraph, profile: Profile) -> None:
+    """A profile file (`Profile.load` reads it) that also carries the graph, for `simulate --profile`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**profile.to_dict(), "graph": graph.to_dict()}, indent=1))
+
+
+def _load_profile_file(path: str) -> tuple[LayerGraph, Profile]:
+    def read(p: str) -> tuple[LayerGraph, Profile]:
+        data = json.loads(Path(p).read_text())
+        if "graph" not in data:
+            raise ValueError("it has no graph; write profiles with `deeppool plan ... --profile-out FILE`")
+        return LayerGraph.from_dict(data["graph"]), Profile.from_dict(data)
+
+    return _load(read, path, "profile")
+
+
+def _load(read: Any, path: str, what: str) -> Any:
+    try:
+        return read(path)
+    except FileNotFoundError:
+        raise UsageError(f"{what} file {path!r} does not exist") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"cannot read {what} file {path!r}: {err}") from None
+
+
+# ------------------------------------------------------------------------------- the module
+def _construct(module_path: str, config: str | None) -> Any:
+    """Import ``pkg.module:ClassName`` (or ``path/to/file.py:ClassName``) and construct it."""
+    cls = _import_class(module_path)
+    init_args = _init_args(config) if config else {}
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "model", fail_untyped=False)
+    try:
+        parsed = parser.parse_object({"model": init_args})
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+        return instantiate(parsed).model
+    except (argparse.ArgumentError, TypeError, ValueError) as err:
+        raise UsageError(f"cannot construct {module_path}: {err}") from None
+
+
+def _import_class(module_path: str) -> Any:
+    module_name, sep, class_name = module_path.rpartition(":")
+    if not sep or not module_name or not class_name:
+        raise UsageError(f"module path {module_path!r} must look like pkg.module:ClassName")
+    # A console script does not put the working directory on sys.path; `python -m` would.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None or spec.loader is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UsageError(f"cannot import {module_name!r} from module path {module_path!r}: {err}") from None
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise UsageError(f"module {module_name!r} has no class {class_name!r}")
+    return cls
+
+
+def _init_args(config: str) -> dict[str, Any]:
+    """``init_args`` from a LightningCLI-style YAML: ``model: {class_path, init_args}``, ``{class_path,
+    init_args}``, or a plain mapping of constructor arguments."""
+    data = _load(lambda p: yaml.safe_load(Path(p).read_text()), config, "config") or {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config {config!r} must be a mapping, got {type(data).__name__}")
+    data = data.get("model", data)
+    if "class_path" in data or "init_args" in data:
+        data = data.get("init_args") or {}
+    return dict(data)
+
+
+# ----------------------------------------------------------------------------------- parsing
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--input-shape {text!r} must be comma-separated positive integers, e.g. 3,32,32"
+        ) from None
+    if any(size < 1 for size in shape):
+        raise UsageError(f"--input-shape {text!r} must be comma-separated positive integers, e.g. 3,32,32")
+    return shape
+
+
+def _parse_pins(pins: Sequence[str]) -> dict[str, int]:
+    parsed = {}
+    for pin in pins:
+        name, sep, width = pin.rpartition("=")
+        if not sep or not width.isdigit():
+            raise UsageError(f"--pin {pin!r} must look like name=width, e.g. classifier=1")
+        parsed[name] = int(width)
+    return parsed
+
+
+# ------------------------------------------------------------------------------------ charts
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--chart needs matplotlib: pip install matplotlib (or the [plot] extra)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plan_chart(plan: Plan, path: str) -> None:
+    """Two panels per layer: its width, and its compute/sync/transfer milliseconds stacked."""
+    plt = _pyplot()
+    names = [layer.name for layer in plan.layers]
+    positions = range(len(names))
+    fig, (top, bottom) = plt.subplots(
+        2, 1, sharex=True, figsize=(max(6.0, 0.45 * len(names) + 2), 5.5), height_ratios=(1, 1.4)
+    )
+    top.bar(positions, [layer.width for layer in plan.layers], color="tab:blue")
+    top.set_ylabel("width (devices)")
+    top.set_ylim(0, plan.world_size + 0.5)
+    top.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    top.set_title(
+        f"{plan.world_size} devices, global batch {plan.global_batch_size}: "
+        f"{plan.predicted_step_time_s * 1e3:.1f} ms/step predicted, "
+        f"DDP {plan.predicted_ddp_step_time_s * 1e3:.1f} ms ({plan.speedup:.2f}x)",
+        fontsize=10,
+    )
+    bottom_of = [0.0] * len(names)
+    for label, field, color in (
+        ("compute", "compute_s", "tab:green"),
+        ("gradient sync", "sync_s", "tab:red"),
+        ("transfer", "transfer_s", "tab:orange"),
+    ):
+        values = [getattr(layer, field) * 1e3 for layer in plan.layers]
+        bottom.bar(positions, values, bottom=bottom_of, label=label, color=color)
+        bottom_of = [b + v for b, v in zip(bottom_of, values, strict=True)]
+    bottom.set_ylabel("predicted ms per step")
+    bottom.legend(fontsize=8)
+    bottom.set_xticks(list(positions), names, rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    _save_figure(fig, path)
+    plt.close(fig)
+
+
+def _simulation_chart(projections: Sequence[Projection], path: str) -> None:
+    """Throughput (samples/s) against device count for DDP, burst and burst + background fill."""
+    plt = _pyplot()
+    devices = [p.devices for p in projections]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, values in (
+        ("data parallel", [p.ddp_samples_per_s for p in projections]),
+        ("burst plan", [p.burst_samples_per_s for p in projections]),
+        ("burst + background fill", [p.total_samples_per_s for p in projections]),
+    ):
+        ax.plot(devices, values, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(devices, [str(n) for n in devices])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("samples/s (foreground-equivalent)")
+    ax.set_title(f"Projected throughput at global batch {projections[0].global_batch_size}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save_figure(fig, path)
+    plt.close(fig)
+
+
+def _save_figure(fig: Any, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot write chart {path!r}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------- parsers
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deeppool", description="Plan, inspect and project DeepPool burst-parallel training."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="profile a model on this machine and plan its layer widths")
+    _model_arguments(plan, required=True)
+    plan.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
+    _search_arguments(plan)
+    plan.add_argument(
+        "--pin", action="append", default=[], metavar="NAME=WIDTH", help="fix a module (prefix) to a width"
+    )
+    plan.add_argument("--out", default="plan.json", help="plan file to write (default: plan.json)")
+    plan.set_defaults(run=plan_command, subparser=plan)
+
+    show = commands.add_parser("show", help="print a plan file's table")
+    show.add_argument("plan", help="plan file (JSON)")
+    show.add_argument("--chart", help="save a chart of width and time per layer (needs matplotlib)")
+    show.set_defaults(run=show_command, subparser=show)
+
+    simulate = commands.add_parser("simulate", help="project throughput of DDP, burst and background fill")
+    _model_arguments(simulate, required=False)
+    simulate.add_argument(
+        "--devices", required=True, help="comma-separated device counts, e.g. 8,16,32,64 (each <= the batch)"
+    )
+    _search_arguments(simulate)
+    simulate.add_argument(
+        "--background-efficiency",
+        type=float,
+        default=1.0,
+        help="share (0..1) of idle device-time background jobs turn into progress (default: 1.0)",
+    )
+    simulate.add_argument("--chart", help="save a throughput plot (needs matplotlib)")
+    simulate.set_defaults(run=simulate_command, subparser=simulate)
+    return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "module_path",
+        nargs=None if required else "?",
+        help="the LightningModule (or nn.Module) class: pkg.module:ClassName or path/to/file.py:ClassName",
+    )
+    parser.add_argument("--config", help="YAML with the module's init_args (LightningCLI style)")
+    parser.add_argument(
+        "--module", help="plan this submodule's forward instead (like DeepPoolStrategy(module=))"
+    )
+    parser.add_argument("--input-shape", help="per-sample input shape, e.g. 3,32,32")
+    parser.add_argument("--input-dtype", default="float32", help="input dtype (default: float32)")
+    parser.add_argument(
+        "--leaf", action="append", default=[], metavar="NAME", help="plan a submodule as one layer"
+    )
+    parser.add_argument(
+        "--device", default=None, help="profiling device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per layer and batch size")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and batch size (median)")
+    parser.add_argument("--profile", help="use this profile file instead of profiling")
+    parser.add_argument("--profile-out", help="write the measured profile (with the graph) to this file")
+
+
+def _search_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--global-batch-size", type=int, required=True, help="samples per step, all devices")
+    parser.add_argument(
+        "--amplification-limit", type=float, default=2.0, help="max device-time amplification per layer"
+    )
+    parser.add_argument("--bandwidth", type=float, help="link bandwidth in GB/s (default: 20)")
+    parser.add_argument("--latency-us", type=float, help="per-message latency in microseconds (default: 20)")

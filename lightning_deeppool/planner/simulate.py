@@ -1,0 +1,175 @@
+"""Scaling projections: step time and throughput of DDP, the burst plan and burst + background fill.
+
+Pure functions over a layer graph and a profile (no torch). The model, at a fixed global batch B on N
+devices:
+
+- **DDP**: every layer at width N, costed by `cost.ddp_baseline`.
+- **Burst**: the plan `search.search` finds, costed by the same model.
+- **Burst + background fill**: device-time the plan leaves idle runs background training. A rank is
+  idle during the compute of every layer narrower than its index (`Plan.idle_fractions`); time spent
+  in transfers and gradient syncs is not counted as idle. Background work is valued in
+  *foreground-equivalent* samples: a background job is assumed to train the same model alone on one
+  device at batch B, so an idle device-second yields ``efficiency * B / T1`` samples, where T1 is the
+  single-device step time at batch B. ``efficiency`` (default 1.0) is the share of idle time background
+  work really turns into progress: 1.0 assumes it fills every idle window without slowing the
+  foreground and that memory allows it; real multiplexing gets less.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.planner.plan import Plan
+from lightning_deeppool.planner.profile import Profile
+from lightning_deeppool.planner.search import search
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Predicted step times (seconds) at one device count, and the throughputs they imply."""
+
+    devices: int
+    global_batch_size: int
+    ddp_step_s: float
+    burst_step_s: float
+    single_device_step_s: float
+    idle_device_s: float
+    background_efficiency: float
+    plan: Plan
+
+    @property
+    def ddp_samples_per_s(self) -> float:
+        return self.global_batch_size / self.ddp_step_s
+
+    @property
+    def burst_samples_per_s(self) -> float:
+        return self.global_batch_size / self.burst_step_s
+
+    @property
+    def idle_fraction(self) -> float:
+        """Idle device-time over all device-time of a burst step."""
+        return self.idle_device_s / (self.devices * self.burst_step_s)
+
+    @property
+    def background_samples_per_s(self) -> float:
+        """Foreground-equivalent samples/s that background jobs add in the idle device-time."""
+        idle_device_s_per_s = self.idle_device_s / self.burst_step_s
+        single_device_rate = self.global_batch_size / self.single_device_step_s
+        return self.background_efficiency * idle_device_s_per_s * single_device_rate
+
+    @property
+    def total_samples_per_s(self) -> float:
+        """Cluster throughput of burst + background fill, in foreground-equivalent samples/s."""
+        return self.burst_samples_per_s + self.background_samples_per_s
+
+
+def idle_device_seconds(plan: Plan) -> float:
+    """Device-seconds per step during which ranks run no layer's compute, summed over ranks."""
+    compute = sum(layer.compute_s for layer in plan.layers)
+    return sum(plan.idle_fractions()) * compute
+
+
+def project(
+    graph: LayerGraph,
+    profile: Profile,
+    *,
+    devices: Sequence[int],
+    global_batch_size: int,
+    amplification_limit: float = 2.0,
+    background_efficiency: float = 1.0,
+) -> list[Projection]:
+    """One projection per device count, at a fixed global batch, under `profile`'s cost model.
+
+    The profile must cover per-device batches ``ceil(B / N)`` .. ``B`` for every N (profile with
+    ``candidate_batch_sizes(B, max(devices))``); otherwise the profile's out-of-range error is raised.
+    """
+    if not devices:
+        raise ValueError("no device counts to project; give at least one, e.g. 8,16,32")
+    if not 0 <= background_efficiency <= 1:
+        raise ValueError(f"background efficiency must be in 0..1, got {background_efficiency}")
+    for n in devices:
+        cost.check_sizes(n, global_batch_size)
+    single = cost.evaluate(
+        graph,
+        profile,
+        cost.ddp_widths(graph, 1),
+        world_size=1,
+        global_batch_size=global_batch_size,
+    ).total_s
+    projections = []
+    for n in devices:
+        plan = search(
+            graph,
+            profile,
+            world_size=n,
+            global_batch_size=global_batch_size,
+            amplification_limit=amplification_limit,
+        )
+        projections.append(
+            Projection(
+                devices=n,
+                global_batch_size=global_batch_size,
+                ddp_step_s=plan.predicted_ddp_step_time_s,
+                burst_step_s=plan.predicted_step_time_s,
+                single_device_step_s=single,
+                idle_device_s=idle_device_seconds(plan),
+                background_efficiency=background_efficiency,
+                plan=plan,
+            )
+        )
+    return projections
+
+
+def table(projections: Sequence[Projection]) -> str:
+    """Aligned text table: step times, throughputs (samples/s) and the gains over DDP."""
+    header = (
+        "devices",
+        "DDP ms",
+        "DDP samples/s",
+        "burst ms",
+        "burst samples/s",
+        "idle",
+        "burst+bg samples/s",
+        "burst/DDP",
+        "burst+bg/DDP",
+    )
+    rows = [
+        (
+            str(p.devices),
+            f"{p.ddp_step_s * 1e3:.3f}",
+            f"{p.ddp_samples_per_s:,.0f}",
+            f"{p.burst_step_s * 1e3:.3f}",
+            f"{p.burst_samples_per_s:,.0f}",
+            f"{p.idle_fraction:.0%}",
+            f"{p.total_samples_per_s:,.0f}",
+            f"{p.burst_samples_per_s / p.ddp_samples_per_s:.2f}x",
+            f"{p.total_samples_per_s / p.ddp_samples_per_s:.2f}x",
+        )
+        for p in projections
+    ]
+    sizes = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.rjust(size) for cell, size in zip(row, sizes, strict=True)) for row in [header, *rows]
+    ]
+    if projections:
+        p = projections[0]
+        lines.append(
+            f"global batch {p.global_batch_size}; background fill at efficiency "
+            f"{p.background_efficiency:g}, valued as the same model on one device "
+            f"(single-device step {p.single_device_step_s * 1e3:.3f} ms)"
+        )
+    return "\n".join(lines)
+
+
+def parse_devices(text: str) -> list[int]:
+    """``"8,16,32"`` -> ``[8, 16, 32]``; raises ValueError on anything but positive integers."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"device counts must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"device counts must be positive integers, got {text!r}")
+    return sorted(set(values))

@@ -1,0 +1,328 @@
+"""Background trainers: policy, placement, progress, checkpoints, failures, foreground identity."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
+from lightning_deeppool.background import assign_jobs
+from lightning_deeppool.background.callback import THREAD_PREFIX
+from lightning_deeppool.background.job import run_standalone
+from lightning_deeppool.background.throttle import choose_mode, may_run, next_duty, window_budget
+
+
+class Trial(pl.LightningModule):
+    """A small background job: SGD with momentum and a step-interval scheduler."""
+
+    def __init__(self, lr: float = 0.1, fail_at: int | None = None, oom_at: int | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        if self.hparams.fail_at == self.calls:
+            raise ValueError("trial diverged")
+        if self.hparams.oom_at == self.calls:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Foreground(pl.LightningModule):
+    """Convs then a wide head: pinned to mixed widths so rank 1 waits while rank 0 runs the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 8 * 8, 256)
+        self.out = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.head(torch.relu(self.conv(x)).flatten(1))))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def trial_data(n: int = 48) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def trial_loader() -> DataLoader:
+    return DataLoader(trial_data(), batch_size=4, shuffle=True)
+
+
+def image_data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    return TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+class Probe(Callback):
+    """Placed after BackgroundTrainers: at teardown, write what this rank saw to <out>/rank<r>.json."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        background = next((c for c in trainer.callbacks if isinstance(c, BackgroundTrainers)), None)
+        windows = getattr(trainer.strategy, "idle_windows", None)
+        report = {
+            "threads": [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)],
+            "windows_opened": windows.opened if windows is not None else 0,
+            "mode": background.resolved_mode if background else None,
+            "jobs": background.summary() if background else [],
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def foreground_trainer(steps: int, callbacks: list[Callback], root: Path, **kwargs: object) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=str(root),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def fit_single(steps: int, callbacks: list[Callback], root: Path) -> dict[str, torch.Tensor]:
+    pl.seed_everything(7)
+    model = Trial()
+    loader = DataLoader(trial_data(), batch_size=8, shuffle=True)
+    foreground_trainer(steps, callbacks, root, devices=1).fit(model, loader)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def fit_deeppool(
+    world: int, steps: int, callbacks: list[Callback], root: Path, strategy: object
+) -> Foreground:
+    pl.seed_everything(3)
+    model = Foreground()
+    trainer = foreground_trainer(steps, callbacks, root, devices=world, strategy=strategy)
+    trainer.fit(model, DataLoader(image_data(), batch_size=4))
+    return model
+
+
+def pinned_strategy() -> DeepPoolStrategy:
+    return DeepPoolStrategy(
+        start_method="spawn",
+        plan={"conv": 2, "head": 1, "out": 1, "": 2},
+        cache_dir=False,
+        profile_warmup=1,
+        profile_repeats=1,
+    )
+
+
+# ---------------------------------------------------------------------------------- policy
+def test_may_run_follows_the_mode_and_the_hold() -> None:
+    assert may_run("idle", window_open=True, held=False)
+    assert not may_run("idle", window_open=False, held=False)
+    assert not may_run("between_steps", window_open=True, held=True)
+    assert may_run("priority", window_open=False, held=False)
+    assert not may_run("priority", window_open=True, held=True)
+
+
+def test_policies_raise_on_unknown_modes() -> None:
+    with pytest.raises(ValueError, match="unknown background mode 'always'"):
+        may_run("always", window_open=True, held=False)
+    with pytest.raises(ValueError, match="unknown background mode 'fast'; expected 'auto' or one of"):
+        choose_mode("fast", cuda=False, has_windows=True)
+    with pytest.raises(ValueError, match="unknown background mode 'x'"):
+        BackgroundTrainers([BackgroundJob(Trial(), trial_loader)], mode="x")
+
+
+def test_choose_mode_prefers_windows_on_cpu_and_priority_on_cuda() -> None:
+    assert choose_mode("auto", cuda=True, has_windows=True) == "priority"
+    assert choose_mode("auto", cuda=False, has_windows=True) == "idle"
+    assert choose_mode("auto", cuda=False, has_windows=False) == "between_steps"
+    with pytest.raises(ValueError, match="'priority' needs CUDA streams"):
+        choose_mode("priority", cuda=False, has_windows=True)
+    with pytest.raises(ValueError, match="'idle' needs the idle windows of a deeppool runtime"):
+        choose_mode("idle", cuda=False, has_windows=False)
+
+
+def test_duty_halves_when_too_slow_and_grows_otherwise() -> None:
+    assert next_duty(0.5, baseline_s=1.0, observed_s=1.2, max_slowdown=1.1) == 0.25
+    assert next_duty(0.5, baseline_s=1.0, observed_s=1.05, max_slowdown=1.1) == 0.625
+    assert next_duty(1.0, baseline_s=1.0, observed_s=1.0, max_slowdown=1.1) == 1.0
+    assert next_duty(1 / 64, baseline_s=1.0, observed_s=9.0, max_slowdown=1.1) == 1 / 64
+    assert window_budget(0.1, max_slowdown=1.1, duty=0.5) == pytest.approx(0.005)
+
+
+def test_jobs_round_robin_from_the_highest_rank_unless_pinned() -> None:
+    jobs = [BackgroundJob(Trial(), trial_loader, name=f"j{i}") for i in range(4)]
+    jobs.append(BackgroundJob(Trial(), trial_loader, name="pinned", rank=0))
+    placed = assign_jobs(jobs, 3)
+    assert {rank: [j.name for j in js] for rank, js in placed.items()} == {
+        2: ["j0", "j3"],
+        1: ["j1"],
+        0: ["j2", "pinned"],
+    }
+    with pytest.raises(ValueError, match="pinned to rank 5, but the foreground has 3 ranks"):
+        assign_jobs([BackgroundJob(Trial(), trial_loader, name="far", rank=5)], 3)
+
+
+def test_job_names_must_be_unique() -> None:
+    jobs = [BackgroundJob(Trial(), trial_loader, name="same") for _ in range(2)]
+    with pytest.raises(ValueError, match=r"repeated: \['same'\]"):
+        BackgroundTrainers(jobs)
+
+
+# ------------------------------------------------------------------------- single device
+def test_jobs_progress_queue_and_checkpoint_on_one_device(tmp_path: Path) -> None:
+    jobs = [
+        BackgroundJob(lambda: Trial(lr=0.05), trial_loader, max_steps=4, name="a", checkpoint_every=2),
+        BackgroundJob(Trial(lr=0.2), trial_loader, max_steps=3, name="b"),
+    ]
+    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=2)
+    fit_single(40, [callback], tmp_path)
+    assert callback.resolved_mode == "between_steps"
+    assert [(r["name"], r["state"], r["global_step"]) for r in callback.summary()] == [
+        ("a", "done", 4),
+        ("b", "done", 3),
+    ]
+    assert [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)] == []
+    loaded = Trial.load_from_checkpoint(tmp_path / "background" / "a.ckpt")
+    assert loaded.hparams.lr == 0.05
+    checkpoint = torch.load(tmp_path / "background" / "a.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 4
+    assert checkpoint["lr_schedulers"][0]["last_epoch"] == 4
+    assert len(checkpoint["optimizer_states"][0]["state"]) == 4
+
+
+def test_a_resumed_job_continues_exactly_where_it_stopped(tmp_path: Path) -> None:
+    def job(steps: int, folder: str) -> BackgroundJob:
+        return BackgroundJob(
+            lambda: Trial(), trial_loader, max_steps=steps, name="t", checkpoint_dir=tmp_path / folder
+        )
+
+    cpu = torch.device("cpu")
+    assert run_standalone(job(8, "resumed"), cpu).global_step == 8  # stage 1 then extended below
+    first = job(17, "resumed")
+    straight = job(17, "straight")
+    assert run_standalone(first, cpu).global_step == 17
+    assert run_standalone(straight, cpu).global_step == 17
+    a = torch.load(tmp_path / "resumed" / "t.ckpt", weights_only=False)
+    b = torch.load(tmp_path / "straight" / "t.ckpt", weights_only=False)
+    assert first.stats.session_steps == 9
+    assert (a["epoch"], a["lr_schedulers"]) == (b["epoch"], b["lr_schedulers"])
+    for key, value in b["state_dict"].items():
+        assert torch.equal(a["state_dict"][key], value), key
+
+
+def test_failing_and_oom_jobs_are_reported_and_leave_the_foreground_untouched(tmp_path: Path) -> None:
+    reference = fit_single(12, [], tmp_path / "ref")
+    jobs = [
+        BackgroundJob(lambda: Trial(fail_at=2), trial_loader, name="diverges"),
+        BackgroundJob(lambda: Trial(oom_at=1), trial_loader, name="oom"),
+        BackgroundJob(lambda: Trial(), trial_loader, max_steps=2, name="fine"),
+    ]
+    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=2, slots_per_device=2)
+    weights = fit_single(12, [callback], tmp_path / "bg")
+    rows = {r["name"]: r for r in callback.summary()}
+    assert (rows["diverges"]["state"], rows["diverges"]["global_step"]) == ("failed", 1)
+    assert "ValueError: trial diverged" in rows["diverges"]["error"]
+    assert rows["oom"]["state"] == "failed"
+    assert "OutOfMemoryError: CUDA out of memory" in rows["oom"]["error"]
+    assert (rows["fine"]["state"], rows["fine"]["global_step"]) == ("done", 2)
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value), key
+
+
+# ----------------------------------------------------------------------------- deeppool
+def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path) -> None:
+    reference = fit_deeppool(2, 8, [], tmp_path / "ref", pinned_strategy()).state_dict()
+    jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}", checkpoint_every=1) for i in range(2)]
+    callbacks = [BackgroundTrainers(jobs, warmup_steps=2), Probe(tmp_path)]
+    model = fit_deeppool(2, 8, callbacks, tmp_path / "bg", pinned_strategy())
+    for key, value in reference.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["threads"] for r in ranks] == [[], []]
+    assert [r["mode"] for r in ranks] == ["idle", "idle"]
+    assert [[job["name"] for job in r["jobs"]] for r in ranks] == [["t1"], ["t0"]]
+    assert ranks[1]["jobs"][0]["state"] == "stopped"
+    steps = torch.load(tmp_path / "bg" / "background" / "t0.ckpt", weights_only=False)["global_step"]
+    assert steps == ranks[1]["jobs"][0]["global_step"] >= 1
+
+
+def test_three_ranks_with_the_registered_spawn_strategy_stop_every_thread(tmp_path: Path) -> None:
+    jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}") for i in range(4)]
+    callbacks = [BackgroundTrainers(jobs, warmup_steps=2), Probe(tmp_path)]
+    fit_deeppool(3, 6, callbacks, tmp_path, "deeppool_spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["threads"] for r in ranks] == [[], [], []]
+    assert [[job["name"] for job in r["jobs"]] for r in ranks] == [["t2"], ["t1"], ["t0", "t3"]]
+    assert all(r["windows_opened"] > 0 for r in ranks)
+    assert {job["name"]: job["state"] for r in ranks for job in r["jobs"]} == {
+        "t0": "stopped",
+        "t1": "stopped",
+        "t2": "stopped",
+        "t3": "queued",
+    }
+    assert sorted(p.name for p in (tmp_path / "background").glob("*.ckpt")) == [
+        "t0.ckpt",
+        "t1.ckpt",
+        "t2.ckpt",
+    ]
+
+
+# ---------------------------------------------------------------------------------- CUDA
+class StreamRecorder(Trial):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.priorities = getattr(self, "priorities", set())
+        self.priorities.add(torch.cuda.current_stream().priority)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.gpu
+def test_cuda_foreground_runs_high_priority_and_jobs_low_priority(tmp_path: Path) -> None:
+    least, greatest = torch.cuda.Stream.priority_range()
+    job_module = StreamRecorder()
+    callback = BackgroundTrainers([BackgroundJob(job_module, trial_loader, max_steps=3)], warmup_steps=2)
+    pl.seed_everything(0)
+    foreground = StreamRecorder()
+    pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=30,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+    ).fit(foreground, DataLoader(trial_data(), batch_size=8))
+    assert callback.resolved_mode == "priority"
+    assert callback.summary()[0]["state"] == "done"
+    assert job_module.priorities == {least}
+    assert greatest in foreground.priorities
+    assert torch.cuda.current_stream().priority == least  # restored to the default stream

@@ -1,0 +1,135 @@
+"""Bad input fails with a clear error on every rank, without a hang (2 ranks, one run for all)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_deeppool import DeepPoolStrategy, Plan
+from lightning_deeppool.planner.capture import capture_graph
+from lightning_deeppool.planner.plan import LayerPlan
+
+from distributed import run_distributed
+from models import MLP, ConvNet, images, join_lightning_world, make_model, trainer_kwargs
+
+
+class Gate(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.sum() > 0 else -x
+
+
+class GatedMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(self.body(x.flatten(1))))
+
+
+class BranchingMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x.flatten(1))
+        return self.head(y) if y.mean() > 0 else self.head(-y)
+
+
+class NoForwardMLP(MLP):
+    """training_step uses the layers directly and never calls self(...)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.body(x.flatten(1))), y)
+
+
+def _plan_for(model: nn.Module, world_size: int) -> Plan:
+    graph = capture_graph(model, (images(2).tensors[0],)).graph
+    layers = tuple(
+        LayerPlan(layer.name, layer.module, 1, 0.0, 0.0, 0.0, layer.params) for layer in graph.layers
+    )
+    return Plan(world_size, 16, 2.0, 0.0, 0.0, graph.fingerprint, layers)
+
+
+def _fit_error(model: pl.LightningModule, root: str, data: Any = None, **strategy: Any) -> str:
+    strategy = DeepPoolStrategy(cache_dir=False, profile_warmup=0, profile_repeats=1, **strategy)
+    trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=1, default_root_dir=root))
+    try:
+        trainer.fit(model, data or DataLoader(images(32), batch_size=8))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _all_errors(rank: int, root: str) -> dict[str, str]:
+    join_lightning_world(rank, 2)
+    other_model, wrong_world = f"{root}/convnet_plan.json", f"{root}/three_ranks_plan.json"
+    if rank == 0:
+        _plan_for(ConvNet(), 2).save(other_model)
+        _plan_for(MLP(), 3).save(wrong_world)
+    torch.distributed.barrier()
+    x, y = images(1).tensors
+    empty = DataLoader([(x, y) if rank == 0 else (x[:0], y[:0])], batch_size=None)
+    return {
+        "untraceable submodule": _fit_error(GatedMLP(), root),
+        "untraceable forward": _fit_error(BranchingMLP(), root),
+        "plan for another model": _fit_error(make_model("mlp"), root, plan=other_model),
+        "plan for another world size": _fit_error(make_model("mlp"), root, plan=wrong_world),
+        "pins naming no module": _fit_error(make_model("mlp"), root, plan={"classifier": 1}),
+        "global batch below world size": _fit_error(make_model("mlp"), root, data=empty),
+        "training_step without forward": _fit_error(NoForwardMLP(), root, plan={"": 2}),
+    }
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory) -> list[dict[str, str]]:
+    return run_distributed(_all_errors, 2, str(tmp_path_factory.mktemp("errors")))
+
+
+def _on_every_rank(errors: list[dict[str, str]], case: str) -> str:
+    texts = [rank_errors[case] for rank_errors in errors]
+    assert all(text != "no error" for text in texts), texts
+    return "\n".join(texts)
+
+
+def test_untraceable_submodule_names_it_and_suggests_leaf_modules(errors):
+    text = _on_every_rank(errors, "untraceable submodule")
+    assert text.count("'gate' (Gate)") == 2
+    assert text.count("leaf_modules=['gate']") == 2
+
+
+def test_untraceable_forward_suggests_the_module_argument(errors):
+    text = _on_every_rank(errors, "untraceable forward")
+    assert text.count("could not trace BranchingMLP.forward") == 2
+    assert text.count("DeepPoolStrategy(module=") == 2
+
+
+def test_plan_file_for_another_model_says_so(errors):
+    text = _on_every_rank(errors, "plan for another model")
+    assert text.count("the plan was made for a different graph") == 2
+
+
+def test_plan_file_for_another_world_size_names_both_sizes(errors):
+    text = _on_every_rank(errors, "plan for another world size")
+    assert text.count("made for world size 3, but the world size is 2") == 2
+
+
+def test_pins_naming_no_module_fail_on_every_rank(errors):
+    text = _on_every_rank(errors, "pins naming no module")
+    assert text.count("'classifier'") == 2
+
+
+def test_global_batch_smaller_than_world_size_asks_for_a_larger_batch(errors):
+    text = _on_every_rank(errors, "global batch below world size")
+    assert text.count("the global batch has 1 samples ([1, 0] per rank), fewer than the 2 devices") == 2
+
+
+def test_training_step_that_skips_forward_fails_at_the_first_step(errors):
+    text = _on_every_rank(errors, "training_step without forward")
+    assert text.count("did not call NoForwardMLP.forward") == 2
+    assert text.count("DeepPoolStrategy(module='<name>')") == 2

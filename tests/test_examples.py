@@ -1,0 +1,54 @@
+"""The examples run end to end with a few steps, and the README shows the command CI runs."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_deeppool.planner.plan import Plan
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(args, cwd):
+    """Run an example as a user would (the popen launcher re-runs it for rank 1); return its stdout."""
+    done = subprocess.run(
+        [sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_prints_the_plan_and_ends_with_held_out_accuracy(tmp_path):
+    out = run_example([EXAMPLES / "quickstart.py", "--max-steps", "5"], tmp_path)
+    assert "predicted step time" in out and "idle fraction per rank" in out
+    assert re.fullmatch(r"held-out accuracy: [01]\.\d{3}", out.strip().splitlines()[-1])
+    assert (tmp_path / "outputs" / "quickstart" / "deeppool_plan.json").exists()
+
+
+@pytest.mark.slow
+def test_resnet_example_trains_on_generated_images(tmp_path):
+    out = run_example([EXAMPLES / "resnet.py", "--max-steps", "3"], tmp_path)
+    assert "blocks_0_conv1" in out
+    assert re.fullmatch(
+        r"final train loss \d+\.\d{3}, train accuracy [01]\.\d{3}", out.strip().splitlines()[-1]
+    )
+
+
+@pytest.mark.slow
+def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):
+    config = EXAMPLES / "cli_config.yaml"
+    out = run_example([EXAMPLES / "cli.py", "fit", "--config", config, "--trainer.max_steps", "3"], tmp_path)
+    plan = tmp_path / "outputs" / "cli" / "deeppool_plan.json"
+    assert "predicted step time" in out and plan.exists()
+    assert Plan.load(plan).width("head") == 1  # pinned in the YAML
+
+
+def test_readme_shows_the_test_command_ci_runs():
+    command = (ROOT / "scripts" / "test.sh").read_text().strip().splitlines()[-1]
+    assert command.startswith("python3 -m venv .venv && ")
+    assert f"\n{command}\n" in (ROOT / "README.md").read_text()

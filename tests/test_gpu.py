@@ -1,0 +1,114 @@
+"""CUDA paths: CUDA-event profiling and peak memory, NCCL burst runtime, 16-mixed. Skipped without CUDA
+(tests/conftest.py); the multi-GPU ones also need two devices."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_deeppool.planner.capture import capture_graph
+from lightning_deeppool.planner.profiler import profile_layers
+
+from distributed import run_distributed
+
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.head = nn.Linear(16 * 16 * 16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+def test_cuda_profile_has_event_times_and_growing_peak_memory():
+    net = _Net().cuda()
+    x = torch.randn(4, 3, 16, 16, device="cuda")
+    captured = capture_graph(net, (x,))
+    profiles = profile_layers(captured, captured.bind((x,), {}), [1, 64], device="cuda", repeats=3)
+    conv = profiles["conv"]
+    assert all(s > 0 for s in conv.seconds)
+    assert conv.peak_bytes is not None
+    assert conv.peak_bytes[1] > conv.peak_bytes[0]
+
+
+def _nccl_gradients(rank: int) -> float:
+    from lightning_deeppool.strategy.groups import PlanGroups
+    from lightning_deeppool.strategy.runtime import BurstRuntime
+    from lightning_deeppool.strategy.schedule import build_schedule
+
+    torch.cuda.set_device(rank)
+    torch.manual_seed(0)
+    net, reference = _Net().cuda(), _Net().cuda()
+    reference.load_state_dict(net.state_dict())
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    reference(x).square().mean().backward()
+    captured = capture_graph(net, (x[:2],))
+    widths = {layer.name: (1 if layer.name == "head" else 2) for layer in captured.graph.layers}
+    params = dict(captured.module.named_parameters())
+    sizes = {n: p.numel() * p.element_size() for n, p in params.items()}
+    schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, 2)
+    groups = PlanGroups([*schedule.param_widths.values(), 2], 2)
+    runtime = BurstRuntime(
+        captured, schedule, rank=rank, device=torch.device("cuda", rank), groups=groups, params=params
+    )
+    local = x[rank * 4 : (rank + 1) * 4]
+    (runtime.forward(local).square().mean() * 0.5).backward()
+    reference_grads = dict(reference.named_parameters())
+    error = max(
+        (p.grad - reference_grads[n].grad).abs().max().item()
+        for n, p in params.items()
+        if schedule.owns(rank, n)
+    )
+    runtime.close()
+    groups.destroy()
+    return error
+
+
+@two_gpus
+def test_nccl_burst_gradients_equal_single_device():
+    errors = run_distributed(_nccl_gradients, 2, backend="nccl")
+    assert max(errors) < 1e-5
+
+
+def _sixteen_mixed(rank: int) -> int:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_deeppool import DeepPoolStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Net()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return self(batch[0]).float().square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = TensorDataset(torch.randn(64, 3, 16, 16))
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=2,
+        precision="16-mixed",
+        strategy=DeepPoolStrategy(plan={"": 2, "net.head": 1}, cache_dir=False, start_method="spawn"),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(Module(), DataLoader(data, batch_size=8))
+    return trainer.global_step
+
+
+@two_gpus
+def test_sixteen_mixed_trains_with_a_mixed_width_plan():
+    assert _sixteen_mixed(0) == 4

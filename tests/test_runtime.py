@@ -1,0 +1,96 @@
+"""The raw burst runtime (no Lightning): outputs and owned gradients equal single-process ones for
+mixed widths, uneven local sample counts, on 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_deeppool.planner.capture import capture_graph
+from lightning_deeppool.strategy.groups import PlanGroups
+from lightning_deeppool.strategy.runtime import BurstRuntime
+from lightning_deeppool.strategy.schedule import build_schedule
+
+from distributed import run_distributed
+
+SAMPLES = 12
+WIDTH_PATTERNS = {
+    "mixed": lambda i, world: [world, 1, 2, world, 1, 1, 1, 2][i % 8],
+    "all-one": lambda i, world: 1,
+    "all-world": lambda i, world: world,
+}
+COUNTS = {2: (5, 7), 3: (4, 1, 7)}
+
+
+class Net(nn.Module):
+    """Convolutions with a residual add and a concatenation, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.c1(x))
+        z = torch.cat([self.c2(y) + y, y], 1)
+        return self.fc(z.view(z.size(0), -1))
+
+
+def _errors(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """Per width pattern: max |difference| of the outputs and of every gradient this rank owns."""
+    torch.manual_seed(0)
+    x, y = torch.randn(SAMPLES, 3, 8, 8), torch.randint(0, 10, (SAMPLES,))
+    counts = COUNTS[world]
+    lo = sum(counts[:rank])
+    mine = slice(lo, lo + counts[rank])
+    results = {}
+    for name, pattern in WIDTH_PATTERNS.items():
+        net, ref = Net(), Net()
+        ref.load_state_dict(net.state_dict())
+        expected = ref(x)
+        nn.functional.cross_entropy(expected, y).backward()
+        captured = capture_graph(net, (x[:2],))
+        widths = {layer.name: pattern(i, world) for i, layer in enumerate(captured.graph.layers)}
+        params = dict(captured.module.named_parameters())
+        sizes = {k: v.numel() * 4 for k, v in params.items()}
+        schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, world)
+        groups = PlanGroups(schedule.param_widths.values(), world)
+        runtime = BurstRuntime(
+            captured, schedule, rank=rank, device=torch.device("cpu"), groups=groups, params=params
+        )
+        out = runtime.forward(x[mine])
+        # A rank's loss is its share of the global mean: the runtime divides by the world size.
+        (nn.functional.cross_entropy(out, y[mine], reduction="sum") * world / SAMPLES).backward()
+        errors = {"output": (out - expected[mine]).abs().max().item()}
+        reference = dict(ref.named_parameters())
+        for param, p in params.items():
+            if schedule.owns(rank, param):
+                errors[param] = (p.grad - reference[param].grad).abs().max().item()
+        with torch.no_grad():
+            errors["no-grad output"] = (runtime.forward(x[mine]) - expected[mine]).abs().max().item()
+        groups.destroy()
+        results[name] = errors
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def errors(request) -> tuple[int, list[dict[str, dict[str, float]]]]:
+    return request.param, run_distributed(_errors, request.param, request.param)
+
+
+@pytest.mark.parametrize("pattern", list(WIDTH_PATTERNS))
+def test_outputs_match_single_process(errors, pattern):
+    _, ranks = errors
+    for rank in ranks:
+        assert rank[pattern]["output"] < 1e-5
+        assert rank[pattern]["no-grad output"] < 1e-5
+
+
+@pytest.mark.parametrize("pattern", list(WIDTH_PATTERNS))
+def test_owned_gradients_match_single_process_with_uneven_local_counts(errors, pattern):
+    _, ranks = errors
+    assert len(ranks[0][pattern]) == 2 + 6  # rank 0 owns all six parameters
+    for rank in ranks:
+        assert max((v for k, v in rank[pattern].items() if "output" not in k), default=0.0) < 1e-5

@@ -1,0 +1,112 @@
+"""Scaling projections: DDP and burst step times from the cost model, background fill of idle time."""
+
+import math
+
+import pytest
+
+from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.simulate import idle_device_seconds, parse_devices, project, table
+
+from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
+
+BATCH = 32
+
+
+def conv_then_head():
+    """A layer that scales with the batch, then a parameter-heavy one that barely does."""
+    graph = graph_of(
+        [layer("conv", ["x"], sample_bytes=256), layer("head", ["conv"], sample_bytes=64, params=4_000_000)]
+    )
+    profile = linear_profile(
+        graph, {"conv": (10e-6, 100e-6), "head": (2e-3, 1e-6)}, max_batch=BATCH, comm=SLOW_LINK
+    )
+    return graph, profile
+
+
+def test_ddp_step_time_is_the_ddp_baseline_at_every_device_count():
+    graph, profile = conv_then_head()
+    for p in project(graph, profile, devices=[1, 2, 4, 8], global_batch_size=BATCH):
+        expected = cost.ddp_baseline(graph, profile, world_size=p.devices, global_batch_size=BATCH).total_s
+        assert p.ddp_step_s == pytest.approx(expected, rel=1e-12)
+        assert p.ddp_samples_per_s == pytest.approx(BATCH / expected)
+
+
+def test_burst_without_an_amplification_limit_is_never_slower_than_ddp():
+    graph, profile = conv_then_head()
+    devices = [2, 4, 8, 16]
+    for p in project(graph, profile, devices=devices, global_batch_size=BATCH, amplification_limit=math.inf):
+        assert p.burst_step_s <= p.ddp_step_s * (1 + 1e-12)
+    narrow = project(graph, profile, devices=[8], global_batch_size=BATCH)[0]
+    assert narrow.plan.width("head") == 1
+    assert narrow.burst_step_s < narrow.ddp_step_s
+
+
+def test_background_fill_adds_idle_device_time_at_the_single_device_rate():
+    graph, profile = conv_then_head()
+    p = project(graph, profile, devices=[8], global_batch_size=BATCH, background_efficiency=0.5)[0]
+    single = cost.evaluate(graph, profile, {"conv": 1, "head": 1}, world_size=1, global_batch_size=BATCH)
+    compute = {item.name: item.compute_s for item in p.plan.layers}
+    # Ranks 1..7 sit out the head's compute; ranks at or beyond the conv's width sit out the conv too.
+    idle = 7 * compute["head"] + (8 - p.plan.width("conv")) * compute["conv"]
+    assert p.idle_device_s == pytest.approx(idle)
+    assert p.idle_fraction == pytest.approx(idle / (8 * p.burst_step_s))
+    assert p.background_samples_per_s == pytest.approx(0.5 * idle / p.burst_step_s * BATCH / single.total_s)
+    assert p.total_samples_per_s == pytest.approx(p.burst_samples_per_s + p.background_samples_per_s)
+
+
+def test_a_plan_at_full_width_leaves_nothing_to_fill():
+    graph = chain(2)
+    profile = linear_profile(graph, {"l0": (0.0, 1e-3), "l1": (0.0, 1e-3)}, max_batch=BATCH)
+    p = project(graph, profile, devices=[4], global_batch_size=BATCH)[0]
+    assert p.plan.widths() == {"l0": 4, "l1": 4}
+    assert idle_device_seconds(p.plan) == 0.0
+    assert p.total_samples_per_s == p.burst_samples_per_s
+
+
+def test_zero_efficiency_adds_no_background_throughput():
+    graph, profile = conv_then_head()
+    p = project(graph, profile, devices=[8], global_batch_size=BATCH, background_efficiency=0.0)[0]
+    assert p.idle_fraction > 0.5
+    assert p.total_samples_per_s == p.burst_samples_per_s
+
+
+def test_more_devices_than_samples_is_an_error():
+    graph, profile = conv_then_head()
+    with pytest.raises(ValueError, match="global batch size 32 is smaller than the world size 64"):
+        project(graph, profile, devices=[8, 64], global_batch_size=BATCH)
+
+
+def test_efficiency_outside_zero_to_one_is_an_error():
+    graph, profile = conv_then_head()
+    with pytest.raises(ValueError, match=r"background efficiency must be in 0..1, got 1.5"):
+        project(graph, profile, devices=[2], global_batch_size=BATCH, background_efficiency=1.5)
+
+
+def test_a_profile_that_misses_small_per_device_batches_is_an_error():
+    graph = chain(1)
+    profile = linear_profile(graph, {"l0": (0.0, 1e-3)}, max_batch=BATCH)
+    short = type(profile)(
+        profile.graph_fingerprint,
+        "synthetic",
+        "float32",
+        {"l0": type(profile.layers["l0"])("l0", (8, 16, 32), (1.0, 2.0, 4.0))},
+    )
+    with pytest.raises(ValueError, match=r"batch size 4 is outside the profiled range 8..32"):
+        project(graph, short, devices=[8], global_batch_size=BATCH)
+
+
+def test_table_has_a_row_per_device_count_and_the_gains():
+    graph, profile = conv_then_head()
+    lines = table(project(graph, profile, devices=[2, 8], global_batch_size=BATCH)).splitlines()
+    assert lines[0].split()[:3] == ["devices", "DDP", "ms"]
+    assert [line.split()[0] for line in lines[1:3]] == ["2", "8"]
+    assert lines[2].endswith("x")
+    assert lines[3].startswith("global batch 32; background fill at efficiency 1,")
+
+
+def test_device_lists_are_parsed_sorted_and_checked():
+    assert parse_devices("16,8, 32,8") == [8, 16, 32]
+    with pytest.raises(ValueError, match="comma-separated integers, got '8,x'"):
+        parse_devices("8,x")
+    with pytest.raises(ValueError, match="positive integers, got '0,8'"):
+        parse_devices("0,8")
