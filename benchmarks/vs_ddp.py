@@ -78,7 +78,8 @@ def run_one(config: str, steps: int, out: Path) -> None:
     """One training run (the launcher starts the second rank by running this script again)."""
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    data = TensorDataset(torch.randn(16 * 2 * (steps + 2), 3, 32, 32), torch.randint(0, 10, (16 * 2 * (steps + 2),)))
+    samples = 16 * 2 * (steps + 2)
+    data = TensorDataset(torch.randn(samples, 3, 32, 32), torch.randint(0, 10, (samples,)))
     if config == "ddp":
         strategy: object = "ddp"
     else:
@@ -113,7 +114,9 @@ def run_one(config: str, steps: int, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -129,11 +132,22 @@ def main() -> None:
         for run in range(args.runs):
             for config in CONFIGS:
                 out = Path(tmp) / f"{config}-{run}"
-                cmd = [sys.executable, __file__, "--run", config, "--steps", str(args.steps), "--out", str(out)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--run",
+                    config,
+                    "--steps",
+                    str(args.steps),
+                    "--out",
+                    str(out),
+                ]
                 subprocess.run(cmd, check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL)
-                ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob(f"{config}-{run}.rank*.json"))]
+                files = sorted(Path(tmp).glob(f"{config}-{run}.rank*.json"))
+                ranks = [json.loads(p.read_text()) for p in files]
                 samples[config].append({"ranks": ranks})
-                print(f"run {run} {config}: " + ", ".join(f"{r['step_time_s'] * 1e3:.1f} ms" for r in ranks), flush=True)
+                times = ", ".join(f"{r['step_time_s'] * 1e3:.1f} ms" for r in ranks)
+                print(f"run {run} {config}: {times}", flush=True)
     summary = _summarize(samples)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=1))
@@ -147,10 +161,13 @@ def _summarize(samples: dict[str, list[dict]]) -> dict:
 
     def peak_rss(config: str) -> list[float]:
         ranks = len(samples[config][0]["ranks"])
-        return [statistics.median(s["ranks"][i]["peak_rss_mb"] for s in samples[config]) for i in range(ranks)]
+        runs = samples[config]
+        return [statistics.median(s["ranks"][i]["peak_rss_mb"] for s in runs) for i in range(ranks)]
 
     ddp = step_time("ddp")
-    summary: dict = {"setup": "2 CPU ranks (1 thread each), gloo, global batch 32, VGG-like, 12.6M-param head"}
+    summary: dict = {
+        "setup": "2 CPU ranks (1 thread each), gloo, global batch 32, VGG-like, 12.6M-param head"
+    }
     for config in CONFIGS:
         entry = {"step_time_ms": step_time(config) * 1e3, "speedup_vs_ddp": ddp / step_time(config)}
         entry["peak_rss_mb_per_rank"] = peak_rss(config)

@@ -54,6 +54,7 @@ def test_json_has_the_documented_keys():
         "version",
         "world_size",
         "global_batch_size",
+        "optimizer_s",
         "amplification_limit",
         "predicted_step_time_s",
         "predicted_ddp_step_time_s",

@@ -9,6 +9,7 @@ from lightning_deeppool.planner.profiler import (
     candidate_batch_sizes,
     merge_layer_profiles,
     profile_layers,
+    time_optimizer_step,
 )
 
 SIZES = [1, 3, 6]
@@ -161,3 +162,22 @@ def test_merge_rejects_different_batch_sizes():
     parts = [{"a": LayerProfile("a", (1, 2), (1.0, 2.0))}, {"b": LayerProfile("b", (1, 4), (1.0, 2.0))}]
     with pytest.raises(ValueError, match=r"ranks disagree"):
         merge_layer_profiles(parts)
+
+
+def test_optimizer_step_is_timed_on_copies_leaving_parameters_and_state_alone():
+    layer = nn.Linear(256, 256)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in layer.parameters()]
+    seconds = time_optimizer_step([optimizer])
+    assert seconds > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    assert optimizer.state_dict()["state"] == {}
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_optimizer_step_time_scales_to_every_element_when_sampling():
+    layers = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(8)))
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9)
+    full = time_optimizer_step([optimizer], repeats=5)
+    sampled = time_optimizer_step([optimizer], max_elements=512 * 512, repeats=5)
+    assert 0.2 * full < sampled < 5 * full

@@ -128,8 +128,8 @@ def _comms(schedule: Schedule, rank: int, counts: tuple[int, ...]) -> list[tuple
             )
             if batch:
                 ops.append(("p2p", batch))
-        elif action.kind == "sync" and rank < schedule.buckets[action.index].width:
-            ops.append(("collective", schedule.buckets[action.index].width, str(action)))
+        elif action.kind == "sync" and rank < schedule.buckets[action.number].width:
+            ops.append(("collective", schedule.buckets[action.number].width, str(action)))
     return ops
 
 

@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_deeppool.background.gate import Gate
-from lightning_deeppool.background.job import STATES, BackgroundJob
+from lightning_deeppool.background.job import STATES, BackgroundJob, priority_range
 from lightning_deeppool.background.throttle import MODES, choose_mode, next_duty, window_budget
 from lightning_deeppool.strategy.idle import IdleWindows
 
@@ -106,9 +106,10 @@ class BackgroundTrainers(Callback):
                 raise ValueError(f"{label} must be >= 1, got {value}")
         if warmup_steps < 2:
             raise ValueError(f"warmup_steps must be >= 2 (the first step is not timed), got {warmup_steps}")
+        names: list[str] = []
         for index, job in enumerate(jobs):
-            job.name = job.name or f"job{index}"
-        names = [job.name for job in jobs]
+            job.name = name = job.name or f"job{index}"
+            names.append(name)
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"background job names must be unique; repeated: {duplicates}")
@@ -352,7 +353,7 @@ class BackgroundTrainers(Callback):
     # ---------------------------------------------------------------------------------- CUDA
     def _raise_foreground_priority(self) -> None:
         """Run the foreground (this, the main thread) on a new highest-priority stream."""
-        _, greatest = torch.cuda.Stream.priority_range()
+        _, greatest = priority_range()
         previous = torch.cuda.current_stream(self._device)
         stream = torch.cuda.Stream(self._device, priority=greatest)
         stream.wait_stream(previous)

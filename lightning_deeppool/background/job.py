@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +185,7 @@ class JobRun:
         context: AbstractContextManager[Any] = nullcontext()
         stream = None
         if self.ready is not None:
-            least, _ = torch.cuda.Stream.priority_range()
+            least, _ = priority_range()
             stream = torch.cuda.Stream(self.device, priority=least)
             stream.wait_event(self.ready)
             context = torch.cuda.stream(stream)
@@ -241,9 +241,13 @@ class JobRun:
         batch = move_data_to_device(batch, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         output = self.module.training_step(batch, batch_idx)
-        loss = output["loss"] if isinstance(output, dict) else output
+        loss = output["loss"] if isinstance(output, Mapping) else output
         if loss is None:
             return
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"training_step must return a loss tensor, a mapping with 'loss' or None; got {loss!r}"
+            )
         loss.backward()
         self._enter(gate)
         self.optimizer.step()
@@ -364,7 +368,7 @@ def _optimizers(module: pl.LightningModule, name: str | None) -> tuple[torch.opt
     we do): they accept every documented return format."""
     from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 
-    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())  # type: ignore[arg-type]
     if len(optimizers) != 1:
         raise ValueError(
             f"job {name!r}: configure_optimizers returned {len(optimizers)} optimizers; background jobs "
@@ -386,3 +390,8 @@ def _batch_size(batch: Any) -> int:
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     return (t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def priority_range() -> tuple[int, int]:
+    """(lowest, highest) CUDA stream priority; a static method that torch's stubs type as a method."""
+    return torch.cuda.Stream.priority_range()  # type: ignore[call-arg]

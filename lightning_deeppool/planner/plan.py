@@ -34,7 +34,11 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """Widths of every layer (execution order) for one graph, world size and global batch size."""
+    """Widths of every layer (execution order) for one graph, world size and global batch size.
+
+    The predicted step times are the sum of the layers' costs plus `optimizer_s`, the update of every
+    parameter that rank 0 (which owns every layer) does each step.
+    """
 
     world_size: int
     global_batch_size: int
@@ -43,6 +47,7 @@ class Plan:
     predicted_ddp_step_time_s: float
     graph_fingerprint: str
     layers: tuple[LayerPlan, ...]
+    optimizer_s: float = 0.0
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -86,6 +91,7 @@ class Plan:
             "predicted_step_time_s": self.predicted_step_time_s,
             "predicted_ddp_step_time_s": self.predicted_ddp_step_time_s,
             "graph_fingerprint": self.graph_fingerprint,
+            "optimizer_s": self.optimizer_s,
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -105,6 +111,7 @@ class Plan:
             predicted_ddp_step_time_s=float(data["predicted_ddp_step_time_s"]),
             graph_fingerprint=str(data["graph_fingerprint"]),
             layers=tuple(LayerPlan(**layer) for layer in data["layers"]),
+            optimizer_s=float(data.get("optimizer_s", 0.0)),
         )
 
     def to_json(self) -> str:
@@ -146,10 +153,15 @@ class Plan:
             ]
             return "  ".join(cells).rstrip()
 
+        optimizer = (
+            f"; both include the optimizer update, {self.optimizer_s * 1e3:.3f} ms"
+            if self.optimizer_s
+            else ""
+        )
         footer = [
             f"predicted step time {self.predicted_step_time_s * 1e3:.3f} ms vs DDP "
             f"{self.predicted_ddp_step_time_s * 1e3:.3f} ms: speedup {self.speedup:.2f}x "
-            f"({self.world_size} devices, global batch {self.global_batch_size})",
+            f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer})",
             "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
         ]
         return "\n".join([line(header), *map(line, rows), *footer])
@@ -231,8 +243,9 @@ def plan_with_widths(
         world_size=world_size,
         global_batch_size=global_batch_size,
         amplification_limit=float(amplification_limit),
-        predicted_step_time_s=step.total_s,
-        predicted_ddp_step_time_s=ddp.total_s,
+        predicted_step_time_s=step.total_s + profile.optimizer_s,
+        predicted_ddp_step_time_s=ddp.total_s + profile.optimizer_s,
+        optimizer_s=profile.optimizer_s,
         graph_fingerprint=graph.fingerprint,
         layers=tuple(
             LayerPlan(

@@ -149,13 +149,18 @@ def _ring_link(model: AlphaBeta, group_size: int) -> AlphaBeta:
 
 @dataclass(frozen=True)
 class Profile:
-    """Everything the cost model needs about one model on one kind of device."""
+    """Everything the cost model needs about one model on one kind of device.
+
+    `optimizer_s` is one optimizer update of every parameter on one device: rank 0 owns every layer,
+    so every plan (and DDP) pays it once per step.
+    """
 
     graph_fingerprint: str
     device: str
     dtype: str
     layers: dict[str, LayerProfile]
     comm: CommProfile = field(default_factory=CommProfile)
+    optimizer_s: float = 0.0
     version: int = PROFILE_VERSION
 
     def layer(self, name: str) -> LayerProfile:
@@ -175,6 +180,7 @@ class Profile:
                 for name, p in self.layers.items()
             },
             "comm": self.comm.to_dict(),
+            "optimizer_s": self.optimizer_s,
         }
 
     @classmethod
@@ -196,6 +202,7 @@ class Profile:
             dtype=data["dtype"],
             layers=layers,
             comm=CommProfile.from_dict(data["comm"]),
+            optimizer_s=float(data.get("optimizer_s", 0.0)),
         )
 
     def save(self, path: str | Path) -> None:

@@ -44,6 +44,7 @@ from lightning_deeppool.planner.profiler import (
     candidate_batch_sizes,
     merge_layer_profiles,
     profile_layers,
+    time_optimizer_step,
 )
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S, search
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
@@ -378,12 +379,14 @@ class DeepPoolStrategy(DDPStrategy):
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, part)
         comm = measure_comm(device=self.root_device)
+        optimizer_s = on_rank_zero(lambda: time_optimizer_step(self.optimizers))
         profile = Profile(
             graph_fingerprint=graph.fingerprint,
             device=device_name,
             dtype=dtype,
             layers=merge_layer_profiles(parts),
             comm=comm,
+            optimizer_s=optimizer_s,
         )
         if cache_dir is not None and self.global_rank == 0:
             save_cached_profile(cache_dir, key, profile)

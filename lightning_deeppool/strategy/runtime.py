@@ -150,7 +150,7 @@ class BurstRuntime:
                 self._handlers[action.kind](step, action)
 
     def _forward_stage(self, step: _Step, action: Action) -> None:
-        stage = self.schedule.stages[action.index]
+        stage = self.schedule.stages[action.number]
         if self.rank >= stage.width:
             return
         env = dict(step.local_env)
@@ -264,7 +264,7 @@ class BurstRuntime:
         self._run(step, self.schedule.backward)
 
     def _backward_stage(self, step: _Step, action: Action) -> None:
-        stage = self.schedule.stages[action.index]
+        stage = self.schedule.stages[action.number]
         if self.rank >= stage.width:
             return
         tensors, grads = [], []
@@ -311,7 +311,7 @@ class BurstRuntime:
                     _accumulate(step, (action.value, action.src), i, grad, len(meta.leaves))
 
     def _sync(self, step: _Step, action: Action) -> None:
-        self.grad_sync.launch_through(self.schedule.buckets[action.index])
+        self.grad_sync.launch_through(self.schedule.buckets[action.number])
 
     def _wait(self, step: _Step, action: Action) -> None:
         self.grad_sync.finish()

@@ -40,13 +40,13 @@ class Bucket:
 class Action(NamedTuple):
     """One step of the schedule.
 
-    kind: "forward" / "backward" (a stage), "send" (a value's samples move from width `src` to
-    `dst`), "send_grad" (its gradient moves back from `dst` to `src`), "sync" (all-reduce a bucket),
-    "wait" (finish all syncs).
+    kind: "forward" / "backward" (of stage `number`), "send" (a value's samples move from width
+    `src` to `dst`), "send_grad" (its gradient moves back from `dst` to `src`), "sync" (all-reduce
+    bucket `number`), "wait" (finish all syncs).
     """
 
     kind: str
-    index: int = -1
+    number: int = -1
     value: str = ""
     src: int = 0
     dst: int = 0
@@ -56,7 +56,7 @@ class Action(NamedTuple):
             return f"{self.kind}:{self.value}:{self.src}>{self.dst}"
         if self.kind == "wait":
             return "wait"
-        return f"{self.kind}{self.index}"
+        return f"{self.kind}{self.number}"
 
     @classmethod
     def from_str(cls, text: str) -> Action:
@@ -68,7 +68,7 @@ class Action(NamedTuple):
             return cls(kind, value=value, src=int(src), dst=int(dst))
         for kind in ("forward", "backward", "sync"):
             if text.startswith(kind) and text[len(kind) :].isdigit():
-                return cls(kind, index=int(text[len(kind) :]))
+                return cls(kind, number=int(text[len(kind) :]))
         raise ValueError(f"not an action: {text!r}")
 
 
