@@ -274,21 +274,21 @@ def _evaluation_mode(module: nn.Module) -> Iterator[None]:
             m.training = flag
 
 
-def _resize_batch(value: Any, batch: int) -> Any:
-    """Repeat the first sample of every tensor to `batch` samples."""
+def repeat_first_sample(value: Any, batch_size: int) -> Any:
+    """Repeat the first sample of every tensor leaf to `batch_size` samples."""
 
-    def resize(leaf: Any) -> Any:
+    def repeat(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf[:1].expand(batch, *leaf.shape[1:]).contiguous()
+            return leaf[:1].expand(batch_size, *leaf.shape[1:]).contiguous()
         return leaf
 
-    return pytree.tree_map(resize, value)
+    return pytree.tree_map(repeat, value)
 
 
 def _run_all(
     gm: fx.GraphModule, signature: inspect.Signature, example: dict[str, Any], batch: int
 ) -> dict[str, Any]:
-    values = {name: _resize_batch(v, batch) for name, v in example.items()}
+    values = {name: repeat_first_sample(v, batch) for name, v in example.items()}
     env: dict[str, Any] = {}
     with _evaluation_mode(gm):
         for node in gm.graph.nodes:

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.planner.capture import CapturedGraph, evaluate
+from lightning_deeppool.planner.capture import CapturedGraph, evaluate, repeat_first_sample
 from lightning_deeppool.planner.profile import LayerProfile
 
 
@@ -117,7 +117,9 @@ def _profile_layer(
     trainable = [params[p] for p in captured.layer_params[name] if params[p].requires_grad]
     seconds, peaks = [], []
     for b in sizes:
-        leaves = {value: pytree.tree_map(_leaf_input, _repeat_first(v, b)) for value, v in samples.items()}
+        leaves = {
+            value: pytree.tree_map(_leaf_input, repeat_first_sample(v, b)) for value, v in samples.items()
+        }
         wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
         run = functools.partial(
             _forward_backward, captured.module, captured.layer_nodes[name], local, wrt + trainable
@@ -156,13 +158,13 @@ def _first_samples(captured: CapturedGraph, env: dict[str, Any]) -> dict[str, An
     gm = captured.module
     values = dict(env)
     for name in captured.batch_inputs:
-        values[name] = _repeat_first(env[name], 2)
+        values[name] = repeat_first_sample(env[name], 2)
     gm.eval()
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op not in ("placeholder", "output"):
                 values[node.name] = evaluate(gm, node, values)
-    return {name: _repeat_first(values[name], 1) for name in captured.meta}
+    return {name: repeat_first_sample(values[name], 1) for name in captured.meta}
 
 
 def _measure(
@@ -231,17 +233,6 @@ def _leaf_input(leaf: Any) -> Any:
 
 def _copy_if_grad(leaf: Any) -> Any:
     return leaf.clone() if _needs_grad(leaf) else leaf
-
-
-def _repeat_first(value: Any, batch_size: int) -> Any:
-    """Repeat the first sample of every tensor leaf to `batch_size` samples."""
-
-    def repeat(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf[:1].expand(batch_size, *leaf.shape[1:]).contiguous()
-        return leaf
-
-    return pytree.tree_map(repeat, value)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

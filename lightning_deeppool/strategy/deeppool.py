@@ -25,33 +25,20 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils import _pytree as pytree
 from typing_extensions import override
 
-from lightning_deeppool.planner.cache import (
-    default_cache_dir,
-    load_cached_profile,
-    profile_cache_key,
-    save_cached_profile,
-)
+from lightning_deeppool.planner.cache import default_cache_dir
 from lightning_deeppool.planner.capture import CapturedGraph, capture_graph
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.profile import Profile
-from lightning_deeppool.planner.profiler import (
-    assign_layers,
-    candidate_batch_sizes,
-    merge_layer_profiles,
-    profile_layers,
-    time_optimizer_step,
-)
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S, search
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.amp import make_scaler_agree
 from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.measure import measure_comm
+from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
 from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES, build_schedule
 
@@ -323,7 +310,17 @@ class DeepPoolStrategy(DDPStrategy):
             plan.check_matches(captured.graph, self.world_size)
             return plan
         pins = self.plan_source if isinstance(self.plan_source, Mapping) else None
-        profile = self._profile(captured, env, global_batch)
+        cache_dir = None if self.cache_dir is False else Path(self.cache_dir or default_cache_dir())
+        profile = profile_on_ranks(
+            captured,
+            env,
+            global_batch,
+            device=self.root_device,
+            optimizers=self.optimizers,
+            cache_dir=cache_dir,
+            warmup=self.profile_warmup,
+            repeats=self.profile_repeats,
+        )
         self.profile = profile
         plan = on_rank_zero(
             lambda: search(
@@ -339,58 +336,6 @@ class DeepPoolStrategy(DDPStrategy):
         )
         self._report(plan, self._plan_path())
         return plan
-
-    def _profile(self, captured: CapturedGraph, env: dict[str, Any], global_batch: int) -> Profile:
-        graph = captured.graph
-        device_name = _device_name(self.root_device)
-        dtype = str(next((p.dtype for p in captured.module.parameters()), torch.float32))
-        key = profile_cache_key(
-            graph.fingerprint,
-            {
-                name: repr(meta.leaves)
-                for name, meta in captured.meta.items()
-                if name in captured.batch_inputs
-            },
-            dtype,
-            device_name,
-            self.world_size,
-            global_batch,
-        )
-        cache_dir = None if self.cache_dir is False else Path(self.cache_dir or default_cache_dir())
-        cached = on_rank_zero(lambda: load_cached_profile(cache_dir, key) if cache_dir else None)
-        if cached is not None:
-            rank_zero_info(f"deeppool: using the cached profile {key} from {cache_dir}")
-            return cached
-        sizes = candidate_batch_sizes(global_batch, self.world_size)
-        mine = assign_layers([layer.name for layer in graph.layers], self.world_size, self.global_rank)
-        progress = _progress_printer() if self.global_rank == 0 else None
-        part = on_every_rank(
-            lambda: profile_layers(
-                captured,
-                env,
-                sizes,
-                layers=mine,
-                warmup=self.profile_warmup,
-                repeats=self.profile_repeats,
-                device=self.root_device,
-                progress=progress,
-            )
-        )
-        parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, part)
-        comm = measure_comm(device=self.root_device)
-        optimizer_s = on_rank_zero(lambda: time_optimizer_step(self.optimizers))
-        profile = Profile(
-            graph_fingerprint=graph.fingerprint,
-            device=device_name,
-            dtype=dtype,
-            layers=merge_layer_profiles(parts),
-            comm=comm,
-            optimizer_s=optimizer_s,
-        )
-        if cache_dir is not None and self.global_rank == 0:
-            save_cached_profile(cache_dir, key, profile)
-        return profile
 
     def _report(self, plan: Plan, path: Path | None) -> None:
         if self.global_rank != 0:
@@ -480,17 +425,3 @@ def _prune_optimizers(optimizers: list[Any], keep: Callable[[nn.Parameter], bool
             for p in dropped:
                 optimizer.state.pop(p, None)
                 p.grad = None
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu-{torch.get_num_threads()}threads"
-
-
-def _progress_printer() -> Callable[[int, int], None]:
-    def progress(done: int, total: int) -> None:
-        end = "\n" if done == total else "\r"
-        print(f"deeppool: profiling layers {done}/{total}", end=end, flush=True)
-
-    return progress
