@@ -125,6 +125,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._target: nn.Module | None = None
         self._captured: CapturedGraph | None = None
         self._sync_gradients = True
+        self._failed = False
 
     @classmethod
     @override
@@ -148,6 +149,7 @@ class DeepPoolStrategy(DDPStrategy):
                 "Trainer(sync_batchnorm=True) is not supported with deeppool: layers run on different "
                 "numbers of devices. Remove sync_batchnorm or use strategy='ddp'."
             )
+        self._failed = False
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -172,17 +174,22 @@ class DeepPoolStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        connected = dist.is_available() and dist.is_initialized()
+        if connected and not self._failed and self.world_size > 1:
+            # No rank may destroy its groups (and, spawned, exit) while a peer still uses them: a
+            # gloo rank whose peer closed its connections aborts ("terminate called ...").
+            dist.barrier()
         self._uninstall()
         self._restore_forward()
-        spawned = self._start_method != "popen"
         super().teardown()
-        if spawned and dist.is_available() and dist.is_initialized():
+        if self._start_method != "popen" and connected:
             # The worker process ends next; a live gloo group can abort it at exit.
             dist.destroy_process_group()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Say where in the burst schedule a failure (a collective timeout, say) happened."""
+        self._failed = True
         action = self._runtime.last_action if self._runtime is not None else None
         if action is not None and hasattr(exception, "add_note"):
             exception.add_note(
