@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: optimizer_s
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class Profile:
             dtype=data["dtype"],
             layers=layers,
             comm=CommProfile.from_dict(data["comm"]),
-            optimizer_s=float(data.get("optimizer_s", 0.0)),
+            optimizer_s=float(data["optimizer_s"]),
         )
 
     def save(self, path: str | Path) -> None:
