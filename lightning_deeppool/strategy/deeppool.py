@@ -36,7 +36,7 @@ from lightning_deeppool.planner.profile import Profile
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S, search
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.amp import make_scaler_agree
-from lightning_deeppool.strategy.groups import PlanGroups
+from lightning_deeppool.strategy.groups import PlanGroups, destroy_world_together
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
@@ -184,7 +184,10 @@ class DeepPoolStrategy(DDPStrategy):
         super().teardown()
         if self._start_method != "popen" and connected:
             # The worker process ends next; a live gloo group can abort it at exit.
-            dist.destroy_process_group()
+            if self._failed:
+                dist.destroy_process_group()
+            else:
+                destroy_world_together()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
