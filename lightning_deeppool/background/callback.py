@@ -277,6 +277,8 @@ class BackgroundTrainers(Callback):
             deadline = time.monotonic() + self.stop_timeout_s
             for thread, job in self._running:
                 thread.join(max(0.0, deadline - time.monotonic()))
+                if not thread.is_alive():
+                    _wait_for_os_thread(thread, min(deadline, time.monotonic() + 1.0))
                 if thread.is_alive():
                     log.warning(
                         "background job %r did not stop within %.0f s; it is left as a daemon thread and "
@@ -367,3 +369,15 @@ class BackgroundTrainers(Callback):
         previous.wait_stream(stream)
         torch.cuda.set_stream(previous)
         self._streams = None
+
+
+def _wait_for_os_thread(thread: threading.Thread, deadline: float) -> None:
+    """Wait until the OS thread behind a joined Python thread is gone (Linux; elsewhere a no-op).
+
+    `join` returns once the thread's Python state is released, before its C++ thread-local objects
+    (torch's among them) are destroyed; a process that exits during that cleanup can abort
+    ("terminate called without an active exception"), as spawned workers do right after fit.
+    """
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.001)
