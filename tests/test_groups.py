@@ -1,9 +1,9 @@
-"""Process groups of a plan: built on every rank with checked sizes, destroyed together."""
+"""Process groups of a plan: built on every rank, one per width, of ranks 0..width-1."""
 
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.strategy.groups import PlanGroups, destroy_world_together
+from lightning_deeppool.strategy.groups import PlanGroups
 
 from distributed import run_distributed
 
@@ -22,12 +22,3 @@ def _build(rank: int) -> dict[int, float]:
 
 def test_every_width_above_one_gets_a_group_of_ranks_zero_to_width():
     assert run_distributed(_build, 3) == [{2: 2.0, 3: 3.0}, {2: 2.0, 3: 3.0}, {3: 3.0}]
-
-
-def _leave(rank: int) -> bool:
-    destroy_world_together(timeout_s=30)
-    return dist.is_initialized()
-
-
-def test_destroying_the_world_together_leaves_no_group_on_any_rank():
-    assert run_distributed(_leave, 3) == [False, False, False]

@@ -36,7 +36,7 @@ from lightning_deeppool.planner.profile import Profile
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S, search
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.amp import make_scaler_agree
-from lightning_deeppool.strategy.groups import PlanGroups, destroy_world_together
+from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
@@ -176,18 +176,14 @@ class DeepPoolStrategy(DDPStrategy):
     def teardown(self) -> None:
         connected = dist.is_available() and dist.is_initialized()
         if connected and not self._failed and self.world_size > 1:
-            # No rank may destroy its groups (and, spawned, exit) while a peer still uses them: a
-            # gloo rank whose peer closed its connections aborts ("terminate called ...").
+            # After a clean run, no rank destroys the plan's groups while a peer may still use them.
             dist.barrier()
         self._uninstall()
         self._restore_forward()
         super().teardown()
         if self._start_method != "popen" and connected:
             # The worker process ends next; a live gloo group can abort it at exit.
-            if self._failed:
-                dist.destroy_process_group()
-            else:
-                destroy_world_together()
+            dist.destroy_process_group()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -83,16 +83,19 @@ class GradSync:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
-            self._launch(self.buckets[self._next])
-            self._next += 1
+            self._launch_next()
 
     def launch_through(self, bucket: Bucket) -> None:
         """The schedule's `sync`: launch every bucket up to this one that is not launched yet."""
         if not self.enabled or bucket.index not in self._position:
             return
         while self._next <= self._position[bucket.index]:
-            self._launch(self.buckets[self._next])
-            self._next += 1
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Launch the next bucket in schedule order: the only way buckets are launched."""
+        self._launch(self.buckets[self._next])
+        self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
         tensors = [self.params[name] for name in bucket.params]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch.distributed as dist
@@ -62,27 +61,3 @@ def _high_priority_options() -> object | None:
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
     return options
-
-
-def destroy_world_together(timeout_s: float = 60.0) -> None:
-    """Destroy the default group, then wait (on its store) until every rank has destroyed its own.
-
-    For a process that exits next: a rank that exits while a peer's gloo group is still open can
-    abort that peer ("terminate called without an active exception"). Rank 0 hosts the store, so it
-    leaves last. Reads the default store through a private torch accessor, only here.
-    """
-    store = dist.distributed_c10d._get_default_store()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    dist.destroy_process_group()
-    store.add("deeppool/destroyed", 1)
-    _wait_for_count(store, "deeppool/destroyed", world_size, timeout_s)
-    if rank == 0:
-        _wait_for_count(store, "deeppool/left", world_size - 1, timeout_s)
-    else:
-        store.add("deeppool/left", 1)
-
-
-def _wait_for_count(store: dist.Store, key: str, target: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < target and time.monotonic() < deadline:
-        time.sleep(0.005)
