@@ -1,6 +1,6 @@
 """Background trainers: foreground step time without and with two background jobs, and throughput.
 
-    python benchmarks/background.py [--steps 60] [--runs 5]
+    python benchmarks/background.py [--steps 100] [--runs 5]
 
 The VGG-like foreground of `vs_ddp.py` (cheap convolutions, 12.6M-parameter linear head, global
 batch 32) on 2 ranks with its automatic plan (profiled once, then reused from a cache so every run
@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import statistics
-import time
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
 from lightning_deeppool.background.job import run_standalone
 
-from vs_ddp import VGGLike
+from vs_ddp import FIXED_MALLOC, StepTimer, VGGLike
 
 RESULTS = Path(__file__).parent / "results" / "background.json"
 
@@ -68,19 +68,17 @@ def trial_data() -> DataLoader:
     return DataLoader(images(512, seed=1), batch_size=16, shuffle=True)
 
 
-class StepTimes(Callback):
+class StepTimes(StepTimer):
     """Rank 0 writes its foreground step times (and the background report) to `out`."""
 
     def __init__(self, out: Path) -> None:
+        super().__init__()
         self.out = out
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
-        self._start = time.perf_counter()
+        self.duties: list[float | None] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
-        self.times.append(time.perf_counter() - self._start)
+        background = next((c for c in trainer.callbacks if isinstance(c, BackgroundTrainers)), None)
+        self.duties.append(background.duty if background else None)
 
     def teardown(self, trainer, pl_module, stage) -> None:  # type: ignore[no-untyped-def]
         background = next((c for c in trainer.callbacks if isinstance(c, BackgroundTrainers)), None)
@@ -89,6 +87,7 @@ class StepTimes(Callback):
             "jobs": background.summary() if background else [],
             "idle_s": background.idle_step_s if background else [],
             "active_s": background.active_step_s if background else [],
+            "duty": self.duties,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -96,7 +95,7 @@ class StepTimes(Callback):
 def foreground(steps: int, jobs: list[BackgroundJob], out: Path, accelerator: str, cache: Path) -> list[dict]:
     """One foreground run (automatic plan; the profile cache makes every run use the same plan)."""
     out.mkdir(parents=True, exist_ok=True)
-    callbacks: list[Callback] = [BackgroundTrainers(jobs, warmup_steps=3)] if jobs else []
+    callbacks: list[Callback] = [BackgroundTrainers(jobs)] if jobs else []
     callbacks.append(StepTimes(out))
     strategy = DeepPoolStrategy(start_method="spawn", cache_dir=cache)
     pl.seed_everything(0)
@@ -116,24 +115,34 @@ def foreground(steps: int, jobs: list[BackgroundJob], out: Path, accelerator: st
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+def standalone_rate(seed: int, checkpoint_dir: Path, device: torch.device, repeats: int = 3) -> float:
+    """The job's samples/s trained alone in this process (median of `repeats` fresh runs)."""
+    rates = []
+    for repeat in range(repeats):
+        name = f"alone{seed}_{repeat}"
+        job = BackgroundJob(
+            Trial, trial_data, max_steps=600, name=name, checkpoint_dir=checkpoint_dir, seed=seed
+        )
+        rates.append(run_standalone(job, device).samples_per_s)
+    return statistics.median(rates)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--workdir", default="/tmp/deeppool_background_bench")
     args = parser.parse_args()
+    if any(os.environ.get(key) != value for key, value in FIXED_MALLOC.items()):
+        # The standalone jobs run in this process: it too starts with the fixed allocator.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
     cuda = torch.cuda.is_available()
     accelerator = "cuda" if cuda else "cpu"
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)  # jobs would resume from an earlier run's checkpoints
-    skip = 5  # planning and warm-up steps
+    skip = 8  # planning and the callback's warm-up steps
     device = torch.device("cuda" if cuda else "cpu")
-    standalone = []
-    for i in range(2):
-        job = BackgroundJob(
-            Trial, trial_data, max_steps=200, name=f"alone{i}", checkpoint_dir=work / "alone_ckpt", seed=i
-        )
-        standalone.append(run_standalone(job, device).samples_per_s)
+    standalone = [standalone_rate(i, work / "alone_ckpt", device) for i in range(2)]
 
     runs = []
     for run in range(args.runs):

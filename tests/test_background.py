@@ -17,7 +17,7 @@ from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrate
 from lightning_deeppool.background import assign_jobs
 from lightning_deeppool.background.callback import THREAD_PREFIX
 from lightning_deeppool.background.job import run_standalone
-from lightning_deeppool.background.throttle import choose_mode, may_run, next_duty, window_budget
+from lightning_deeppool.background.throttle import DutyControl, choose_mode, may_run, window_budget
 
 
 class Trial(pl.LightningModule):
@@ -144,16 +144,16 @@ def pinned_strategy() -> DeepPoolStrategy:
 
 # ---------------------------------------------------------------------------------- policy
 def test_may_run_follows_the_mode_and_the_hold() -> None:
-    assert may_run("idle", window_open=True, held=False)
-    assert not may_run("idle", window_open=False, held=False)
-    assert not may_run("between_steps", window_open=True, held=True)
-    assert may_run("priority", window_open=False, held=False)
-    assert not may_run("priority", window_open=True, held=True)
+    assert may_run("idle", window_fits=True, held=False)
+    assert not may_run("idle", window_fits=False, held=False)
+    assert not may_run("between_steps", window_fits=True, held=True)
+    assert may_run("priority", window_fits=False, held=False)
+    assert not may_run("priority", window_fits=True, held=True)
 
 
 def test_policies_raise_on_unknown_modes() -> None:
     with pytest.raises(ValueError, match="unknown background mode 'always'"):
-        may_run("always", window_open=True, held=False)
+        may_run("always", window_fits=True, held=False)
     with pytest.raises(ValueError, match="unknown background mode 'fast'; expected 'auto' or one of"):
         choose_mode("fast", cuda=False, has_windows=True)
     with pytest.raises(ValueError, match="unknown background mode 'x'"):
@@ -170,11 +170,30 @@ def test_choose_mode_prefers_windows_on_cpu_and_priority_on_cuda() -> None:
         choose_mode("idle", cuda=False, has_windows=False)
 
 
-def test_duty_halves_when_too_slow_and_grows_otherwise() -> None:
-    assert next_duty(0.5, baseline_s=1.0, observed_s=1.2, max_slowdown=1.1) == 0.25
-    assert next_duty(0.5, baseline_s=1.0, observed_s=1.05, max_slowdown=1.1) == 0.625
-    assert next_duty(1.0, baseline_s=1.0, observed_s=1.0, max_slowdown=1.1) == 1.0
-    assert next_duty(1 / 64, baseline_s=1.0, observed_s=9.0, max_slowdown=1.1) == 1 / 64
+def test_duty_holds_after_one_slow_window_and_halves_after_two() -> None:
+    control = DutyControl(max_slowdown=1.1, duty=0.5)
+    assert control.update(baseline_s=1.0, observed_s=1.2) == 0.5
+    assert control.update(baseline_s=1.0, observed_s=1.2) == 0.25
+    assert control.update(baseline_s=1.0, observed_s=1.2) == 0.25
+
+
+def test_duty_grows_by_an_eighth_within_the_limit_and_a_good_window_clears_strikes() -> None:
+    control = DutyControl(max_slowdown=1.1, duty=0.5)
+    assert control.update(baseline_s=1.0, observed_s=1.2) == 0.5
+    assert control.update(baseline_s=1.0, observed_s=1.05) == 0.625
+    assert control.update(baseline_s=1.0, observed_s=1.2) == 0.625
+    assert control.update(baseline_s=1.0, observed_s=1.0) == 0.75
+
+
+def test_duty_stays_within_its_bounds() -> None:
+    assert DutyControl(max_slowdown=1.1, duty=1.0).update(baseline_s=1.0, observed_s=1.0) == 1.0
+    low = DutyControl(max_slowdown=1.1, duty=1 / 64, strikes=1)
+    assert low.update(baseline_s=1.0, observed_s=9.0) == 1 / 64
+    with pytest.raises(ValueError, match="step times must be positive"):
+        low.update(baseline_s=0.0, observed_s=1.0)
+
+
+def test_between_steps_window_is_the_slowdown_allowance_scaled_by_duty() -> None:
     assert window_budget(0.1, max_slowdown=1.1, duty=0.5) == pytest.approx(0.005)
 
 
@@ -203,7 +222,7 @@ def test_jobs_progress_queue_and_checkpoint_on_one_device(tmp_path: Path) -> Non
         BackgroundJob(lambda: Trial(lr=0.05), trial_loader, max_steps=4, name="a", checkpoint_every=2),
         BackgroundJob(Trial(lr=0.2), trial_loader, max_steps=3, name="b"),
     ]
-    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=2)
+    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=3)
     fit_single(40, [callback], tmp_path)
     assert callback.resolved_mode == "between_steps"
     assert [(r["name"], r["state"], r["global_step"]) for r in callback.summary()] == [
@@ -246,7 +265,7 @@ def test_failing_and_oom_jobs_are_reported_and_leave_the_foreground_untouched(tm
         BackgroundJob(lambda: Trial(oom_at=1), trial_loader, name="oom"),
         BackgroundJob(lambda: Trial(), trial_loader, max_steps=2, name="fine"),
     ]
-    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=2, slots_per_device=2)
+    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=3, slots_per_device=2)
     weights = fit_single(12, [callback], tmp_path / "bg")
     rows = {r["name"]: r for r in callback.summary()}
     assert (rows["diverges"]["state"], rows["diverges"]["global_step"]) == ("failed", 1)
@@ -262,7 +281,7 @@ def test_failing_and_oom_jobs_are_reported_and_leave_the_foreground_untouched(tm
 def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path) -> None:
     reference = fit_deeppool(2, 8, [], tmp_path / "ref", pinned_strategy()).state_dict()
     jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}", checkpoint_every=1) for i in range(2)]
-    callbacks = [BackgroundTrainers(jobs, warmup_steps=2), Probe(tmp_path)]
+    callbacks = [BackgroundTrainers(jobs, warmup_steps=3), Probe(tmp_path)]
     model = fit_deeppool(2, 8, callbacks, tmp_path / "bg", pinned_strategy())
     for key, value in reference.items():
         assert torch.equal(model.state_dict()[key], value), key
@@ -277,7 +296,7 @@ def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path
 
 def test_three_ranks_with_the_registered_spawn_strategy_stop_every_thread(tmp_path: Path) -> None:
     jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}") for i in range(4)]
-    callbacks = [BackgroundTrainers(jobs, warmup_steps=2), Probe(tmp_path)]
+    callbacks = [BackgroundTrainers(jobs, warmup_steps=3), Probe(tmp_path)]
     fit_deeppool(3, 6, callbacks, tmp_path, "deeppool_spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["threads"] for r in ranks] == [[], [], []]
@@ -308,7 +327,7 @@ class StreamRecorder(Trial):
 def test_cuda_foreground_runs_high_priority_and_jobs_low_priority(tmp_path: Path) -> None:
     least, greatest = torch.cuda.Stream.priority_range()
     job_module = StreamRecorder()
-    callback = BackgroundTrainers([BackgroundJob(job_module, trial_loader, max_steps=3)], warmup_steps=2)
+    callback = BackgroundTrainers([BackgroundJob(job_module, trial_loader, max_steps=3)], warmup_steps=3)
     pl.seed_everything(0)
     foreground = StreamRecorder()
     pl.Trainer(

@@ -31,13 +31,21 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_deeppool.background.gate import Gate
-from lightning_deeppool.background.job import STATES, BackgroundJob, priority_range
-from lightning_deeppool.background.throttle import MODES, choose_mode, next_duty, window_budget
+from lightning_deeppool.background.job import (
+    STATES,
+    BackgroundJob,
+    JobRun,
+    lower_cpu_priority,
+    priority_range,
+)
+from lightning_deeppool.background.throttle import MODES, DutyControl, choose_mode, window_budget
 from lightning_deeppool.strategy.idle import IdleWindows
 
 log = logging.getLogger(__name__)
 THREAD_PREFIX = "deeppool-bg-"
-_BASELINE_WINDOW = 20
+_BASELINE_WINDOW = 8
+_MIN_BASELINE = 5
+_EARLY_PROBE_EVERY = 3
 # Python hands the GIL to a waiting thread only after this long: the foreground, back from a wait,
 # would otherwise queue up to 5 ms (the default) behind a background thread's Python code.
 _SWITCH_INTERVAL_S = 2e-4
@@ -84,8 +92,8 @@ class BackgroundTrainers(Callback):
         mode: str = "auto",
         max_slowdown: float = 1.10,
         slots_per_device: int = 1,
-        warmup_steps: int = 3,
-        probe_every: int = 50,
+        warmup_steps: int = 6,
+        probe_every: int = 20,
         adjust_every: int = 5,
         stop_timeout_s: float = 30.0,
     ) -> None:
@@ -104,8 +112,11 @@ class BackgroundTrainers(Callback):
         ):
             if value < 1:
                 raise ValueError(f"{label} must be >= 1, got {value}")
-        if warmup_steps < 2:
-            raise ValueError(f"warmup_steps must be >= 2 (the first step is not timed), got {warmup_steps}")
+        if warmup_steps < 3:
+            raise ValueError(
+                f"warmup_steps must be >= 3 (the first step plans and the jobs start during the last), "
+                f"got {warmup_steps}"
+            )
         names: list[str] = []
         for index, job in enumerate(jobs):
             job.name = name = job.name or f"job{index}"
@@ -135,9 +146,12 @@ class BackgroundTrainers(Callback):
         self._own_windows = IdleWindows()
         self._device = torch.device("cpu")
         self._steps = 0
-        self._step_start = 0.0
+        self._period_start: float | None = None
+        self._period_timed = False
+        self._period_active = False
         self._probing = False
         self._since_adjust = 0
+        self._control = DutyControl(self.max_slowdown)
         self._streams: tuple[Any, Any] | None = None
         self._switch_interval = sys.getswitchinterval()
 
@@ -169,18 +183,22 @@ class BackgroundTrainers(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        now = time.perf_counter()
+        if self._period_start is not None and self._period_timed:
+            (self.active_step_s if self._period_active else self.idle_step_s).append(now - self._period_start)
+            if self._period_active:
+                self._adjust()
+        self._period_start = now
+        # The first step plans; the next few run slower while caches and the allocator settle.
+        self._period_timed = self._steps >= max(1, self.warmup_steps // 2)
+        self._period_active = self._gate is not None and not self._probing and bool(self._running)
         if self._gate is not None:
             self._gate.held = self._probing
-        self._step_start = time.perf_counter()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step_s = time.perf_counter() - self._step_start
-        active = self._gate is not None and not self._probing and bool(self._running)
-        if self._steps > 0:  # the first step traces, profiles and plans
-            (self.active_step_s if active else self.idle_step_s).append(step_s)
         self._steps += 1
         if not self.local_jobs:
             return
@@ -190,12 +208,20 @@ class BackgroundTrainers(Callback):
             return
         self._reap()
         self._fill_slots()
-        if active:
-            self._adjust()
         self._log(pl_module)
-        self._probing = self._steps % self.probe_every == 0
         if self.resolved_mode == "between_steps" and self._running and not self._probing:
-            self._between_steps_window(step_s)
+            self._between_steps_window()
+        # Until the baseline has a few samples, probe more often than `probe_every`.
+        every = self.probe_every if len(self.idle_step_s) >= _MIN_BASELINE else _EARLY_PROBE_EVERY
+        self._probing = self._steps % every == 0
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._period_timed = False
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._period_timed = False
 
     @override
     def on_exception(
@@ -214,6 +240,7 @@ class BackgroundTrainers(Callback):
         windows = self._windows if self.resolved_mode == "idle" else self._own_windows
         assert windows is not None
         self._gate = Gate(windows, self.resolved_mode)
+        self._period_timed = False  # the jobs start part-way through this step's period
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(_SWITCH_INTERVAL_S)
         self._fill_slots()
@@ -228,7 +255,10 @@ class BackgroundTrainers(Callback):
                 self._failed(job, traceback.format_exc())
                 continue
             thread = threading.Thread(
-                target=run.train, args=(self._gate,), name=f"{THREAD_PREFIX}{job.name}", daemon=True
+                target=_train_in_background,
+                args=(run, self._gate),
+                name=f"{THREAD_PREFIX}{job.name}",
+                daemon=True,
             )
             job.stats.state = "running"
             thread.start()
@@ -256,18 +286,18 @@ class BackgroundTrainers(Callback):
         if self._since_adjust < self.adjust_every or not self.idle_step_s:
             return
         self._since_adjust = 0
-        self._gate.duty = next_duty(
-            self._gate.duty,
+        self._gate.duty = self._control.update(
             baseline_s=self.baseline_step_s(),
             observed_s=statistics.median(self.active_step_s[-self.adjust_every :]),
-            max_slowdown=self.max_slowdown,
         )
 
-    def _between_steps_window(self, step_s: float) -> None:
+    def _between_steps_window(self) -> None:
         assert self._gate is not None
-        baseline = self.baseline_step_s() if self.idle_step_s else step_s
+        if not self.idle_step_s:
+            return
+        baseline = self.baseline_step_s()
         budget = window_budget(baseline, max_slowdown=self.max_slowdown, duty=self._gate.duty)
-        with self._own_windows.window():
+        with self._own_windows.window("between_steps"):
             self._gate.stop.wait(budget)
 
     def _shutdown(self, trainer: pl.Trainer) -> None:
@@ -296,6 +326,11 @@ class BackgroundTrainers(Callback):
         self._lower_foreground_priority()
 
     # ------------------------------------------------------------------------------ reporting
+    @property
+    def duty(self) -> float | None:
+        """The share of time background pieces may take now (None before the jobs start)."""
+        return self._gate.duty if self._gate is not None else None
+
     def baseline_step_s(self) -> float:
         """Median foreground step time over recent steps without active background."""
         return statistics.median(self.idle_step_s[-_BASELINE_WINDOW:])
@@ -381,3 +416,11 @@ def _wait_for_os_thread(thread: threading.Thread, deadline: float) -> None:
     task = Path(f"/proc/self/task/{thread.native_id}")
     while task.exists() and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def _train_in_background(run: JobRun, gate: Gate) -> None:
+    """A job thread's body. On CPU the thread first lowers its OS priority, so a foreground thread
+    that wakes up (its wait ended) gets a core at once instead of sharing it with the job."""
+    if run.device.type == "cpu":
+        lower_cpu_priority()
+    run.train(gate)

@@ -29,24 +29,27 @@ class Gate:
         self.held = False
         self.stop = threading.Event()
 
-    def enter(self, piece_s: float, paused: Callable[[bool], None]) -> None:
+    def enter(self, piece_s: float, next_piece_s: float, paused: Callable[[bool], None]) -> None:
+        """Called between pieces: `piece_s` is how long the last one took, `next_piece_s` how long
+        the next one is expected to take (it must fit in the idle window left)."""
         if self.stop.is_set():
             raise Stopped
         rest = pause_after(piece_s, self.duty)
         if rest > 0 and self.stop.wait(rest):
             raise Stopped
-        if self._allowed():
+        if self._allowed(next_piece_s):
             return
         paused(True)
-        while not self._allowed():
-            # A held gate with an open window would spin on wait_open: sleep instead.
+        while not self._allowed(next_piece_s):
+            # A held gate with a window open would spin on wait_for: sleep instead.
             if self.held or self.mode == "priority":
                 self.stop.wait(_POLL_S)
             else:
-                self.windows.wait_open(_POLL_S)
+                self.windows.wait_for(next_piece_s, _POLL_S)
             if self.stop.is_set():
                 raise Stopped
         paused(False)
 
-    def _allowed(self) -> bool:
-        return may_run(self.mode, window_open=self.windows.is_open, held=self.held)
+    def _allowed(self, next_piece_s: float) -> bool:
+        fits = self.mode == "priority" or self.windows.fits(next_piece_s)
+        return may_run(self.mode, window_fits=fits, held=self.held)

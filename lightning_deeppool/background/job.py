@@ -14,9 +14,11 @@ modules without dropout, or draw from your own `torch.Generator`.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ from lightning_deeppool.strategy.idle import IdleWindows
 STATES: tuple[str, ...] = ("queued", "running", "paused", "done", "failed", "stopped")
 ModuleSource = pl.LightningModule | Callable[[], pl.LightningModule]
 LoaderSource = Iterable[Any] | pl.LightningDataModule | Callable[[], Any]
+_PIECE_HISTORY = 8
+_MIN_PIECES = 3
 
 
 @dataclass
@@ -168,6 +172,7 @@ class JobRun:
         self.batch_in_epoch = 0
         self.epoch_generator_state: torch.Tensor | None = None
         self._piece_start = 0.0
+        self._pieces: deque[float] = deque(maxlen=_PIECE_HISTORY)
         # The job was built on the foreground's stream: its thread's stream waits for that work.
         self.ready: Any = None
         if device.type == "cuda":
@@ -180,7 +185,7 @@ class JobRun:
 
         On CUDA the thread creates its own lowest-priority stream and issues all its work there."""
         stats = self.job.stats
-        stats.started_s = self._piece_start = time.perf_counter()
+        stats.started_s = time.perf_counter()
         stats.state = "running"
         context: AbstractContextManager[Any] = nullcontext()
         stream = None
@@ -211,6 +216,7 @@ class JobRun:
 
     def _loop(self, gate: Gate) -> None:
         stats, job = self.job.stats, self.job
+        self._piece_start = time.perf_counter()
         skip = self.batch_in_epoch
         while job.max_steps is None or stats.global_step < job.max_steps:
             if self.generator is not None and skip == 0:
@@ -265,7 +271,12 @@ class JobRun:
         def paused(on: bool) -> None:
             stats.state = "paused" if on else "running"
 
-        gate.enter(time.perf_counter() - self._piece_start, paused)
+        piece_s = time.perf_counter() - self._piece_start
+        self._pieces.append(piece_s)
+        # The next piece is expected to take as long as a typical recent one: a median of a few, so
+        # one slow piece (the first fetch of an epoch, say) does not keep the job out of windows.
+        typical = statistics.median(self._pieces) if len(self._pieces) >= _MIN_PIECES else 0.0
+        gate.enter(piece_s, typical, paused)
         self._piece_start = time.perf_counter()
 
     def _install_hooks(self, gate: Gate, sync: Callable[[], None] | None) -> list[Any]:
@@ -390,6 +401,18 @@ def _batch_size(batch: Any) -> int:
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     return (t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def lower_cpu_priority() -> bool:
+    """Move the calling thread to Linux's SCHED_IDLE class, the CPU's counterpart of a low-priority
+    stream: it runs only on cores no other thread wants. False where the OS does not allow it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 def priority_range() -> tuple[int, int]:

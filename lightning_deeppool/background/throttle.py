@@ -11,12 +11,14 @@ foreground's step time stays within ``max_slowdown`` of its time without backgro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 Mode = Literal["idle", "priority", "between_steps"]
 MODES: tuple[str, ...] = ("idle", "priority", "between_steps")
 MIN_DUTY = 1 / 64
 DUTY_STEP = 1 / 8
+STRIKES = 2
 
 
 def choose_mode(requested: str, *, cuda: bool, has_windows: bool) -> Mode:
@@ -47,26 +49,44 @@ def choose_mode(requested: str, *, cuda: bool, has_windows: bool) -> Mode:
             raise ValueError(f"unknown background mode {requested!r}; expected 'auto' or one of {MODES}")
 
 
-def may_run(mode: str, *, window_open: bool, held: bool) -> bool:
-    """Whether a background job may issue its next piece now. `held`: the foreground is measuring
-    its step time without background."""
+def may_run(mode: str, *, window_fits: bool, held: bool) -> bool:
+    """Whether a background job may issue its next piece now. `window_fits`: an idle window is open
+    with time left for the piece; `held`: the foreground is measuring its step time without
+    background."""
     match mode:
         case "idle" | "between_steps":
-            return window_open and not held
+            return window_fits and not held
         case "priority":
             return not held
         case _:
             raise ValueError(f"unknown background mode {mode!r}; expected one of {MODES}")
 
 
-def next_duty(duty: float, *, baseline_s: float, observed_s: float, max_slowdown: float) -> float:
-    """Additive increase, multiplicative decrease: halve the duty when the foreground step took
-    longer than ``max_slowdown * baseline_s``, else grow it by 1/8 (bounded to [1/64, 1])."""
-    if baseline_s <= 0 or observed_s <= 0:
-        raise ValueError(f"step times must be positive, got baseline {baseline_s} s, observed {observed_s} s")
-    if observed_s > max_slowdown * baseline_s:
-        return max(MIN_DUTY, duty / 2)
-    return min(1.0, duty + DUTY_STEP)
+@dataclass
+class DutyControl:
+    """Additive increase, multiplicative decrease of the duty against a noisy signal (step times on
+    a shared machine): grow by 1/8 after a window of steps within ``max_slowdown`` of the baseline;
+    halve after `STRIKES` windows in a row over it, so one noisy window only holds the duty still.
+    Bounded to [1/64, 1]."""
+
+    max_slowdown: float
+    duty: float = 1.0
+    strikes: int = 0
+
+    def update(self, *, baseline_s: float, observed_s: float) -> float:
+        if baseline_s <= 0 or observed_s <= 0:
+            raise ValueError(
+                f"step times must be positive, got baseline {baseline_s} s, observed {observed_s} s"
+            )
+        if observed_s <= self.max_slowdown * baseline_s:
+            self.strikes = 0
+            self.duty = min(1.0, self.duty + DUTY_STEP)
+            return self.duty
+        self.strikes += 1
+        if self.strikes >= STRIKES:
+            self.strikes = 0
+            self.duty = max(MIN_DUTY, self.duty / 2)
+        return self.duty
 
 
 def pause_after(piece_s: float, duty: float) -> float:

@@ -43,6 +43,8 @@ from lightning_deeppool.strategy.runtime import BurstRuntime
 from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES, build_schedule
 
 log = logging.getLogger(__name__)
+# The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
+_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 PlanSource = str | Path | Mapping[str, int] | None
 
@@ -126,6 +128,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._captured: CapturedGraph | None = None
         self._sync_gradients = True
         self._failed = False
+        self._between_steps_loop: Any = None
 
     @classmethod
     @override
@@ -162,6 +165,7 @@ class DeepPoolStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._replace_forward()
         self._agree_on_clipping()
+        self._wait_between_steps_in_window(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             make_scaler_agree(scaler, self.root_device)
@@ -180,6 +184,7 @@ class DeepPoolStrategy(DDPStrategy):
             dist.barrier()
         self._uninstall()
         self._restore_forward()
+        self._restore_wait_between_steps()
         super().teardown()
         if self._start_method != "popen" and connected:
             # The worker process ends next; a live gloo group can abort it at exit.
@@ -299,7 +304,7 @@ class DeepPoolStrategy(DDPStrategy):
         """Sum of the ranks' sample counts (tensor arguments are batches). Collective."""
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         counts: list[Any] = [None] * self.world_size
-        with self.idle_windows.window():
+        with self.idle_windows.window("global_batch_size"):
             dist.all_gather_object(counts, leaves[0].shape[0] if leaves else 0)
         total = sum(counts)
         if total < self.world_size:
@@ -403,6 +408,28 @@ class DeepPoolStrategy(DDPStrategy):
         self._runtime = None
         self._captured = None
 
+    # --------------------------------------------------------------------------- idle windows
+    def _wait_between_steps_in_window(self, trainer: pl.Trainer) -> None:
+        """Lightning's training loop broadcasts rank 0's SIGTERM flag before every step; a rank that
+        finished its part of the step early waits there for rank 0, idle like any wait in the plan."""
+        loop = trainer.fit_loop.epoch_loop
+        broadcast = getattr(loop, _SIGTERM_BROADCAST, None)
+        if broadcast is None:
+            return
+        windows = self.idle_windows
+
+        def broadcast_in_window() -> None:
+            with windows.window("between_steps"):
+                broadcast()
+
+        setattr(loop, _SIGTERM_BROADCAST, broadcast_in_window)
+        self._between_steps_loop = loop
+
+    def _restore_wait_between_steps(self) -> None:
+        loop, self._between_steps_loop = self._between_steps_loop, None
+        if loop is not None and _SIGTERM_BROADCAST in vars(loop):
+            delattr(loop, _SIGTERM_BROADCAST)
+
     # ------------------------------------------------------------------------------ clipping
     def _agree_on_clipping(self) -> None:
         """Clip by the global norm: rank 0 holds every gradient, so its norm is the global one."""
@@ -414,7 +441,7 @@ class DeepPoolStrategy(DDPStrategy):
             norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
             norm = norm.to(self.root_device, torch.float32)
             if self._runtime is not None:
-                with self.idle_windows.window():
+                with self.idle_windows.window("clip_norm"):
                     dist.broadcast(norm, src=0)
             torch.nn.utils.clip_grads_with_norm_(grads, clip_val, norm)
 

@@ -1,27 +1,35 @@
 """Idle windows: the runtime announces when this rank waits on other ranks.
 
 The background trainers subscribe to them and run their work inside, so the foreground never waits
-for a background job that did not need the device.
+for a background job that did not need the device. Each window has a key (its place in the step:
+a schedule action, the wait between steps); the same key recurs every step, so the windows learn
+how long each one lasts and tell a job whether its next piece still fits.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+
+# Recent lengths kept per key; the shortest of them is the expected length. Measured: expecting
+# the median instead lets jobs into rank 0's short, irregular waits, and the foreground slows.
+HISTORY = 5
 
 
 class IdleWindows:
-    """A thread-safe flag that is open while the runtime waits on communication.
-
-    `wait_open(timeout)` blocks a background thread until a window opens; `is_open` tells a thread
-    that is mid-step whether it may go on. Nested windows count as one.
-    """
+    """Thread-safe: the foreground thread opens windows, background threads ask whether one is open
+    with enough time left. Nested windows count as the outermost one."""
 
     def __init__(self) -> None:
-        self._open = threading.Event()
+        self._changed = threading.Condition()
         self._depth = 0
-        self._lock = threading.Lock()
+        self._key: Hashable = None
+        self._opened_at = 0.0
+        self._lengths: dict[Hashable, deque[float]] = {}
         self.opened = 0
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
@@ -29,25 +37,51 @@ class IdleWindows:
         return (IdleWindows, ())
 
     @contextmanager
-    def window(self) -> Iterator[None]:
-        """Mark the enclosed wait as idle time for this rank."""
-        with self._lock:
+    def window(self, key: Hashable = None) -> Iterator[None]:
+        """Mark the enclosed wait as idle time for this rank; `key` names its place in the step."""
+        with self._changed:
             self._depth += 1
             if self._depth == 1:
                 self.opened += 1
-                self._open.set()
+                self._key = key
+                self._opened_at = time.perf_counter()
+                self._changed.notify_all()
         try:
             yield
         finally:
-            with self._lock:
+            with self._changed:
                 self._depth -= 1
                 if self._depth == 0:
-                    self._open.clear()
+                    length = time.perf_counter() - self._opened_at
+                    self._lengths.setdefault(self._key, deque(maxlen=HISTORY)).append(length)
+                    self._changed.notify_all()
 
     @property
     def is_open(self) -> bool:
-        return self._open.is_set()
+        return self._depth > 0
 
-    def wait_open(self, timeout: float | None = None) -> bool:
-        """Block until a window is open (True) or the timeout passes (False)."""
-        return self._open.wait(timeout)
+    def expected_s(self, key: Hashable) -> float:
+        """The shortest recent length of windows with this key; infinite for a key not seen yet."""
+        lengths = self._lengths.get(key)
+        return min(lengths) if lengths else math.inf
+
+    def remaining_s(self) -> float:
+        """Expected time left in the open window (0 when closed, negative when overdue)."""
+        with self._changed:
+            return self._remaining() if self._depth > 0 else 0.0
+
+    def fits(self, need_s: float) -> bool:
+        """Whether a window is open with at least `need_s` expected left."""
+        with self._changed:
+            return self._fits(need_s)
+
+    def wait_for(self, need_s: float, timeout: float) -> bool:
+        """Block until a window is open with at least `need_s` expected left (True) or `timeout`."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._fits(need_s), timeout)
+
+    def _fits(self, need_s: float) -> bool:
+        return self._depth > 0 and self._remaining() >= need_s
+
+    def _remaining(self) -> float:
+        return self.expected_s(self._key) - (time.perf_counter() - self._opened_at)

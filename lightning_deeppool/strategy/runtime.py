@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class BurstRuntime:
         self.idle = idle or IdleWindows()
         self.redistribution = redistribution
         self.last_action: Action | None = None
+        self._windows_in_action = 0
         uses: dict[str, int] = {}
         for names in captured.layer_params.values():
             for name in names:
@@ -85,7 +87,7 @@ class BurstRuntime:
             local=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
             unplanned=unplanned,
             uses=uses,
-            waiting=self.idle.window,
+            waiting=self._idle_window,
         )
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
         self._output = next(n for n in captured.module.graph.nodes if n.op == "output")
@@ -126,7 +128,7 @@ class BurstRuntime:
         digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
         mine = torch.tensor([count, digest], dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        with self.idle.window():
+        with self.idle.window("agree_on_batch"):
             dist.all_gather(gathered, mine, group=self.redistribution)
         rows = [tuple(int(x) for x in t.tolist()) for t in gathered]
         if len({row[1] for row in rows}) > 1:
@@ -146,8 +148,14 @@ class BurstRuntime:
     def _run(self, step: _Step, actions: Sequence[Action]) -> None:
         for action in actions:
             self.last_action = action
+            self._windows_in_action = 0
             with torch.profiler.record_function(f"deeppool:{action}"):
                 self._handlers[action.kind](step, action)
+
+    def _idle_window(self) -> AbstractContextManager[None]:
+        """An idle window keyed by its place in the schedule, which recurs every step."""
+        self._windows_in_action += 1
+        return self.idle.window((self.last_action, self._windows_in_action))
 
     def _forward_stage(self, step: _Step, action: Action) -> None:
         stage = self.schedule.stages[action.number]
@@ -220,7 +228,7 @@ class BurstRuntime:
                     sample_shape=leaf.shape,
                     dtype=leaf.dtype,
                     device=self.device,
-                    waiting=self.idle.window,
+                    waiting=self._idle_window,
                     group=self.redistribution,
                 )
             )
