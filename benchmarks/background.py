@@ -1,6 +1,6 @@
 """Background trainers: foreground step time without and with two background jobs, and throughput.
 
-    python benchmarks/background.py [--steps 100] [--runs 5]
+    python benchmarks/background.py [--steps 100] [--runs 7]
 
 The VGG-like foreground of `vs_ddp.py` (cheap convolutions, 12.6M-parameter linear head, global
 batch 32) on 2 ranks with its automatic plan (profiled once, then reused from a cache so every run
@@ -130,7 +130,7 @@ def standalone_rate(seed: int, checkpoint_dir: Path, device: torch.device, repea
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--workdir", default="/tmp/deeppool_background_bench")
     args = parser.parse_args()
     if any(os.environ.get(key) != value for key, value in FIXED_MALLOC.items()):

@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--root", default="background_jobs_run")
     args = parser.parse_args()
 
-    steps, trial_steps = (8, 20) if args.smoke else (150, 300)
+    steps, trial_steps = (24, 5) if args.smoke else (150, 300)
     pl.seed_everything(0)
     jobs = [
         BackgroundJob(

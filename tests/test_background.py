@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
 from lightning_deeppool.background import assign_jobs
-from lightning_deeppool.background.callback import THREAD_PREFIX
+from lightning_deeppool.background.callback import THREAD_PREFIX, check_pins
 from lightning_deeppool.background.job import run_standalone
 from lightning_deeppool.background.throttle import DutyControl, choose_mode, may_run, window_budget
 
@@ -95,6 +95,7 @@ class Probe(Callback):
             "threads": [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)],
             "windows_opened": windows.opened if windows is not None else 0,
             "mode": background.resolved_mode if background else None,
+            "idle_fractions": background.idle_fractions if background else [],
             "jobs": background.summary() if background else [],
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
@@ -200,14 +201,34 @@ def test_between_steps_window_is_the_slowdown_allowance_scaled_by_duty() -> None
 def test_jobs_round_robin_from_the_highest_rank_unless_pinned() -> None:
     jobs = [BackgroundJob(Trial(), trial_loader, name=f"j{i}") for i in range(4)]
     jobs.append(BackgroundJob(Trial(), trial_loader, name="pinned", rank=0))
-    placed = assign_jobs(jobs, 3)
+    placed = assign_jobs(jobs, [0.5, 0.5, 0.5], min_idle_fraction=0.1)
     assert {rank: [j.name for j in js] for rank, js in placed.items()} == {
         2: ["j0", "j3"],
         1: ["j1"],
         0: ["j2", "pinned"],
     }
+
+
+def test_unpinned_jobs_skip_ranks_with_too_little_idle_time() -> None:
+    jobs = [BackgroundJob(Trial(), trial_loader, name=f"j{i}") for i in range(3)]
+    jobs.append(BackgroundJob(Trial(), trial_loader, name="pinned", rank=0))
+    placed = assign_jobs(jobs, [0.02, 0.4, 0.05], min_idle_fraction=0.1)
+    assert {rank: [j.name for j in js] for rank, js in placed.items()} == {
+        2: [],
+        1: ["j0", "j1", "j2"],
+        0: ["pinned"],
+    }
+
+
+def test_jobs_use_every_rank_when_none_has_enough_idle_time() -> None:
+    jobs = [BackgroundJob(Trial(), trial_loader, name=f"j{i}") for i in range(2)]
+    placed = assign_jobs(jobs, [0.0, 0.01], min_idle_fraction=0.1)
+    assert {rank: [j.name for j in js] for rank, js in placed.items()} == {1: ["j0"], 0: ["j1"]}
+
+
+def test_a_job_pinned_beyond_the_world_is_an_error() -> None:
     with pytest.raises(ValueError, match="pinned to rank 5, but the foreground has 3 ranks"):
-        assign_jobs([BackgroundJob(Trial(), trial_loader, name="far", rank=5)], 3)
+        check_pins([BackgroundJob(Trial(), trial_loader, name="far", rank=5)], 3)
 
 
 def test_job_names_must_be_unique() -> None:
@@ -281,7 +302,7 @@ def test_failing_and_oom_jobs_are_reported_and_leave_the_foreground_untouched(tm
 def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path) -> None:
     reference = fit_deeppool(2, 8, [], tmp_path / "ref", pinned_strategy()).state_dict()
     jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}", checkpoint_every=1) for i in range(2)]
-    callbacks = [BackgroundTrainers(jobs, warmup_steps=3), Probe(tmp_path)]
+    callbacks = [BackgroundTrainers(jobs, warmup_steps=3, min_idle_fraction=0.0), Probe(tmp_path)]
     model = fit_deeppool(2, 8, callbacks, tmp_path / "bg", pinned_strategy())
     for key, value in reference.items():
         assert torch.equal(model.state_dict()[key], value), key
@@ -296,12 +317,15 @@ def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path
 
 def test_three_ranks_with_the_registered_spawn_strategy_stop_every_thread(tmp_path: Path) -> None:
     jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}") for i in range(4)]
-    callbacks = [BackgroundTrainers(jobs, warmup_steps=3), Probe(tmp_path)]
+    callbacks = [BackgroundTrainers(jobs, warmup_steps=3, min_idle_fraction=0.0), Probe(tmp_path)]
     fit_deeppool(3, 6, callbacks, tmp_path, "deeppool_spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["threads"] for r in ranks] == [[], [], []]
     assert [[job["name"] for job in r["jobs"]] for r in ranks] == [["t2"], ["t1"], ["t0", "t3"]]
     assert all(r["windows_opened"] > 0 for r in ranks)
+    fractions = ranks[0]["idle_fractions"]
+    assert len(fractions) == 3 and all(0.0 < f < 1.0 for f in fractions)
+    assert all(r["idle_fractions"] == fractions for r in ranks)
     assert {job["name"]: job["state"] for r in ranks for job in r["jobs"]} == {
         "t0": "stopped",
         "t1": "stopped",

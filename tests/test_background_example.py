@@ -13,7 +13,7 @@ import torch
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "background_jobs.py"
 
 
-def test_example_smoke_run_trains_every_trial_on_two_popen_ranks(tmp_path: Path) -> None:
+def test_example_smoke_run_trains_every_trial_on_the_idle_rank_of_two_popen_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DEEPPOOL_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), "--smoke", "--root", str(tmp_path)],
@@ -23,8 +23,10 @@ def test_example_smoke_run_trains_every_trial_on_two_popen_ranks(tmp_path: Path)
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "background jobs on rank 0 (mode idle)" in result.stdout
+    # The plan runs the head on rank 0 alone: rank 1 has the idle time, and every trial goes there.
+    assert "rank 1 (idle" in result.stdout and "): lr0.3, lr0.1, lr0.03" in result.stdout
+    assert "background jobs on rank 0" not in result.stdout
     assert "background jobs on rank 1 (mode idle)" in result.stdout
     for name in ("lr0.3", "lr0.1", "lr0.03"):
         checkpoint = torch.load(tmp_path / "trials" / f"{name}.ckpt", weights_only=False)
-        assert checkpoint["global_step"] == 20, name
+        assert checkpoint["global_step"] == 5, name

@@ -1,13 +1,16 @@
 """`BackgroundTrainers`: a foreground Trainer's callback that trains `BackgroundJob`s on its devices.
 
-Each rank trains the jobs placed on it, each in a thread of the rank's own process, at most
-`slots_per_device` at a time; a job that ends frees its slot for the next queued one. After
-`warmup_steps` foreground steps (the first deeppool step plans) the mode is chosen
-(`throttle.choose_mode`): on CPU the jobs run inside the deeppool runtime's idle windows, or, without
-them (one device, plain DDP), in a window the callback opens after each foreground step whose length
-is the allowed slowdown. Every `probe_every` steps one foreground step runs with the jobs held, to
-keep measuring the foreground's own step time; the duty adapts to keep the slowdown within
-`max_slowdown`.
+After `warmup_steps` foreground steps (the first deeppool step plans) every rank resolves the mode
+(`throttle.choose_mode`) and the jobs are placed, the one collective of this callback: round-robin
+from the highest rank down over the ranks with idle time (`assign_jobs`). Each rank trains its jobs,
+each in a thread of the rank's own process, at most `slots_per_device` at a time; a job that ends
+frees its slot for the next queued one. On CPU the jobs run inside the deeppool runtime's idle
+windows, or, without them (one device, plain DDP), in a window the callback opens after each
+foreground step whose length is the allowed slowdown.
+
+The foreground's step time is the time between consecutive batch starts (all a step costs, the
+wait before the next one included). Every `probe_every` steps one step runs with the jobs held, to
+keep measuring it without background; the duty adapts to keep the slowdown within `max_slowdown`.
 
 Reporting is per rank and never collective: metrics go through ``pl_module.log(...,
 sync_dist=False)`` under ``background/<name>/...`` (Lightning's loggers write rank 0's only), and each
@@ -22,11 +25,13 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -51,24 +56,45 @@ _EARLY_PROBE_EVERY = 3
 _SWITCH_INTERVAL_S = 2e-4
 
 
-def assign_jobs(jobs: list[BackgroundJob], world_size: int) -> dict[int, list[BackgroundJob]]:
+def assign_jobs(
+    jobs: list[BackgroundJob], idle_fractions: Sequence[float], min_idle_fraction: float
+) -> dict[int, list[BackgroundJob]]:
     """Pinned jobs go to their rank; the others round-robin from the highest rank down (in a burst
-    plan the high ranks run the fewest layers, so they have the most idle time)."""
+    plan the high ranks run the fewest layers) over the ranks whose idle fraction is at least
+    `min_idle_fraction`, or over every rank when none is."""
+    world_size = len(idle_fractions)
     placed: dict[int, list[BackgroundJob]] = {rank: [] for rank in range(world_size)}
-    order = list(range(world_size - 1, -1, -1))
+    descending = list(range(world_size - 1, -1, -1))
+    order = [rank for rank in descending if idle_fractions[rank] >= min_idle_fraction] or descending
+    check_pins(jobs, world_size)
     unpinned = 0
     for job in jobs:
         if job.rank is not None:
-            if job.rank >= world_size:
-                raise ValueError(
-                    f"background job {job.name!r} is pinned to rank {job.rank}, but the foreground has "
-                    f"{world_size} ranks (0..{world_size - 1})"
-                )
             placed[job.rank].append(job)
         else:
-            placed[order[unpinned % world_size]].append(job)
+            placed[order[unpinned % len(order)]].append(job)
             unpinned += 1
     return placed
+
+
+def format_placement(
+    placed: dict[int, list[BackgroundJob]], idle_fractions: Sequence[float], mode: str
+) -> str:
+    """One line per rank: its idle fraction and the jobs placed on it."""
+    lines = [f"background jobs placed (mode {mode}):"]
+    for rank in sorted(placed):
+        names = ", ".join(str(job.name) for job in placed[rank]) or "-"
+        lines.append(f"  rank {rank} (idle {idle_fractions[rank]:.0%}): {names}")
+    return "\n".join(lines)
+
+
+def check_pins(jobs: list[BackgroundJob], world_size: int) -> None:
+    for job in jobs:
+        if job.rank is not None and job.rank >= world_size:
+            raise ValueError(
+                f"background job {job.name!r} is pinned to rank {job.rank}, but the foreground has "
+                f"{world_size} ranks (0..{world_size - 1})"
+            )
 
 
 class BackgroundTrainers(Callback):
@@ -79,7 +105,10 @@ class BackgroundTrainers(Callback):
         mode: ``"auto"``, ``"idle"``, ``"priority"`` (CUDA) or ``"between_steps"``; see `throttle`.
         max_slowdown: the foreground's step time may grow at most by this factor.
         slots_per_device: jobs that run at the same time on one rank.
-        warmup_steps: foreground steps before the jobs start (their times are the first baseline).
+        min_idle_fraction: in ``"idle"`` mode, unpinned jobs go only to ranks whose idle windows
+            covered at least this share of the warm-up steps (every rank, if none did).
+        warmup_steps: foreground steps before the jobs are placed and start; the later half of them
+            are the first baseline (the first step plans, the next ones settle).
         probe_every: every this many steps, one step runs with the jobs held to re-measure the baseline.
         adjust_every: steps with active jobs between duty adjustments.
         stop_timeout_s: how long teardown waits for the job threads (they are daemons beyond that).
@@ -92,6 +121,7 @@ class BackgroundTrainers(Callback):
         mode: str = "auto",
         max_slowdown: float = 1.10,
         slots_per_device: int = 1,
+        min_idle_fraction: float = 0.1,
         warmup_steps: int = 6,
         probe_every: int = 20,
         adjust_every: int = 5,
@@ -104,6 +134,8 @@ class BackgroundTrainers(Callback):
             raise ValueError(f"unknown background mode {mode!r}; expected 'auto' or one of {MODES}")
         if not max_slowdown >= 1.0:
             raise ValueError(f"max_slowdown must be >= 1.0, got {max_slowdown}")
+        if not 0.0 <= min_idle_fraction <= 1.0:
+            raise ValueError(f"min_idle_fraction must be in [0, 1], got {min_idle_fraction}")
         for label, value in (
             ("slots_per_device", slots_per_device),
             ("warmup_steps", warmup_steps),
@@ -128,6 +160,7 @@ class BackgroundTrainers(Callback):
         self.mode = mode
         self.max_slowdown = float(max_slowdown)
         self.slots_per_device = slots_per_device
+        self.min_idle_fraction = float(min_idle_fraction)
         self.warmup_steps = warmup_steps
         self.probe_every = probe_every
         self.adjust_every = adjust_every
@@ -147,6 +180,9 @@ class BackgroundTrainers(Callback):
         self._device = torch.device("cpu")
         self._steps = 0
         self._period_start: float | None = None
+        self._period_windows_s = 0.0
+        self._idle_windows_s = 0.0
+        self.idle_fractions: list[float] = []
         self._period_timed = False
         self._period_active = False
         self._probing = False
@@ -169,26 +205,27 @@ class BackgroundTrainers(Callback):
         root = Path(trainer.default_root_dir) / "background"
         for job in self.jobs:
             job.checkpoint_dir = job.checkpoint_dir or root
-        self.local_jobs = assign_jobs(self.jobs, trainer.world_size)[trainer.global_rank]
-        for job in self.local_jobs:
-            job.stats = type(job.stats)(rank=trainer.global_rank)
-        self._queue = list(self.local_jobs)
+        check_pins(self.jobs, trainer.world_size)
         self._device = trainer.strategy.root_device
         windows = getattr(trainer.strategy, "idle_windows", None)
         self._windows = windows if isinstance(windows, IdleWindows) else None
-        if self._device.type == "cuda" and self.local_jobs:
-            self._raise_foreground_priority()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
+        windows_s = self._windows.total_s if self._windows is not None else 0.0
         if self._period_start is not None and self._period_timed:
-            (self.active_step_s if self._period_active else self.idle_step_s).append(now - self._period_start)
+            period_s = now - self._period_start
             if self._period_active:
+                self.active_step_s.append(period_s)
                 self._adjust()
+            else:
+                self.idle_step_s.append(period_s)
+                self._idle_windows_s += windows_s - self._period_windows_s
         self._period_start = now
+        self._period_windows_s = windows_s
         # The first step plans; the next few run slower while caches and the allocator settle.
         self._period_timed = self._steps >= max(1, self.warmup_steps // 2)
         self._period_active = self._gate is not None and not self._probing and bool(self._running)
@@ -200,10 +237,10 @@ class BackgroundTrainers(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._steps += 1
-        if not self.local_jobs:
-            return
-        if self._gate is None and self._steps >= self.warmup_steps:
-            self._start(trainer)
+        if self.resolved_mode is None and self._steps >= self.warmup_steps:
+            self._place(trainer)
+            if self.local_jobs:
+                self._start()
         if self._gate is None:
             return
         self._reap()
@@ -234,11 +271,30 @@ class BackgroundTrainers(Callback):
         self._shutdown(trainer)
 
     # ---------------------------------------------------------------------------------- jobs
-    def _start(self, trainer: pl.Trainer) -> None:
+    def _place(self, trainer: pl.Trainer) -> None:
+        """Resolve the mode and place the jobs: every rank at the same step (a collective)."""
         has_windows = self._windows is not None and self._windows.opened > 0
         self.resolved_mode = choose_mode(self.mode, cuda=self._device.type == "cuda", has_windows=has_windows)
+        usable = 1.0
+        if self.resolved_mode == "idle" and self.idle_step_s:
+            usable = self._idle_windows_s / sum(self.idle_step_s)
+        self.idle_fractions = [usable]
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            self.idle_fractions = [0.0] * trainer.world_size
+            dist.all_gather_object(self.idle_fractions, usable)
+        placed = assign_jobs(self.jobs, self.idle_fractions, self.min_idle_fraction)
+        if trainer.global_rank == 0:
+            print(format_placement(placed, self.idle_fractions, self.resolved_mode), flush=True)
+        self.local_jobs = placed[trainer.global_rank]
+        for job in self.local_jobs:
+            job.stats = type(job.stats)(rank=trainer.global_rank)
+        self._queue = list(self.local_jobs)
+
+    def _start(self) -> None:
         windows = self._windows if self.resolved_mode == "idle" else self._own_windows
-        assert windows is not None
+        assert windows is not None and self.resolved_mode is not None
+        if self._device.type == "cuda":
+            self._raise_foreground_priority()
         self._gate = Gate(windows, self.resolved_mode)
         self._period_timed = False  # the jobs start part-way through this step's period
         self._switch_interval = sys.getswitchinterval()

@@ -37,8 +37,7 @@ from lightning_deeppool.strategy.idle import IdleWindows
 STATES: tuple[str, ...] = ("queued", "running", "paused", "done", "failed", "stopped")
 ModuleSource = pl.LightningModule | Callable[[], pl.LightningModule]
 LoaderSource = Iterable[Any] | pl.LightningDataModule | Callable[[], Any]
-_PIECE_HISTORY = 8
-_MIN_PIECES = 3
+_PIECE_HISTORY = 3
 
 
 @dataclass
@@ -172,7 +171,12 @@ class JobRun:
         self.batch_in_epoch = 0
         self.epoch_generator_state: torch.Tensor | None = None
         self._piece_start = 0.0
-        self._pieces: deque[float] = deque(maxlen=_PIECE_HISTORY)
+        # On CPU a piece is timed by its thread's CPU time: one that a window's end left waiting for
+        # a core or the GIL did no more work. On CUDA the wall time holds the kernels it waited for.
+        self._clock = time.thread_time if device.type == "cpu" else time.perf_counter
+        # Durations of the last pieces at each place in the step; the place of the running piece.
+        self._durations: dict[int, deque[float]] = {}
+        self._place = -1
         # The job was built on the foreground's stream: its thread's stream waits for that work.
         self.ready: Any = None
         if device.type == "cuda":
@@ -216,7 +220,7 @@ class JobRun:
 
     def _loop(self, gate: Gate) -> None:
         stats, job = self.job.stats, self.job
-        self._piece_start = time.perf_counter()
+        self._piece_start = self._clock()
         skip = self.batch_in_epoch
         while job.max_steps is None or stats.global_step < job.max_steps:
             if self.generator is not None and skip == 0:
@@ -226,7 +230,7 @@ class JobRun:
                 seen += 1
                 if batch_idx < skip:
                     continue
-                self._enter(gate)
+                self._enter(gate, step_start=True)
                 self._step(gate, batch, batch_idx)
                 self.batch_in_epoch = batch_idx + 1
                 if stats.global_step % job.checkpoint_every == 0:
@@ -265,19 +269,21 @@ class JobRun:
             if config.interval == "step" and stats.global_step % config.frequency == 0:
                 config.scheduler.step()
 
-    def _enter(self, gate: Gate) -> None:
+    def _enter(self, gate: Gate, *, step_start: bool = False) -> None:
+        """A safe point. Pieces recur in the same order every step, so the next one is expected to
+        take the median of its own last few durations (unknown the first time: it may start)."""
         stats = self.job.stats
 
         def paused(on: bool) -> None:
             stats.state = "paused" if on else "running"
 
-        piece_s = time.perf_counter() - self._piece_start
-        self._pieces.append(piece_s)
-        # The next piece is expected to take as long as a typical recent one: a median of a few, so
-        # one slow piece (the first fetch of an epoch, say) does not keep the job out of windows.
-        typical = statistics.median(self._pieces) if len(self._pieces) >= _MIN_PIECES else 0.0
-        gate.enter(piece_s, typical, paused)
-        self._piece_start = time.perf_counter()
+        piece_s = self._clock() - self._piece_start
+        if self._place >= 0:
+            self._durations.setdefault(self._place, deque(maxlen=_PIECE_HISTORY)).append(piece_s)
+        self._place = 0 if step_start else self._place + 1
+        history = self._durations.get(self._place)
+        gate.enter(piece_s, statistics.median(history) if history else 0.0, paused)
+        self._piece_start = self._clock()
 
     def _install_hooks(self, gate: Gate, sync: Callable[[], None] | None) -> list[Any]:
         """Safe points inside a step. On CUDA, backward runs on the autograd engine's one device

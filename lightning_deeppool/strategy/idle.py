@@ -22,7 +22,8 @@ HISTORY = 5
 
 class IdleWindows:
     """Thread-safe: the foreground thread opens windows, background threads ask whether one is open
-    with enough time left. Nested windows count as the outermost one."""
+    with enough time left. Nested windows count as the outermost one. `opened` counts windows and
+    `total_s` sums their lengths."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
@@ -31,6 +32,7 @@ class IdleWindows:
         self._opened_at = 0.0
         self._lengths: dict[Hashable, deque[float]] = {}
         self.opened = 0
+        self.total_s = 0.0
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         # Spawned workers get a fresh, closed instance: locks and events do not cross processes.
@@ -53,8 +55,9 @@ class IdleWindows:
                 self._depth -= 1
                 if self._depth == 0:
                     length = time.perf_counter() - self._opened_at
+                    self.total_s += length
+                    # No notify: a closing window lets no waiting job start.
                     self._lengths.setdefault(self._key, deque(maxlen=HISTORY)).append(length)
-                    self._changed.notify_all()
 
     @property
     def is_open(self) -> bool:
