@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import threading
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -16,8 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
 from lightning_deeppool.background import assign_jobs
 from lightning_deeppool.background.callback import THREAD_PREFIX, check_pins
+from lightning_deeppool.background.gate import Gate
 from lightning_deeppool.background.job import run_standalone
 from lightning_deeppool.background.throttle import DutyControl, choose_mode, may_run, window_budget
+from lightning_deeppool.strategy.idle import HISTORY, IdleWindows
 
 
 class Trial(pl.LightningModule):
@@ -94,6 +99,7 @@ class Probe(Callback):
         report = {
             "threads": [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)],
             "windows_opened": windows.opened if windows is not None else 0,
+            "between_steps_learned": windows is not None and windows.expected_s("between_steps") < math.inf,
             "mode": background.resolved_mode if background else None,
             "idle_fractions": background.idle_fractions if background else [],
             "jobs": background.summary() if background else [],
@@ -298,6 +304,71 @@ def test_failing_and_oom_jobs_are_reported_and_leave_the_foreground_untouched(tm
         assert torch.equal(weights[key], value), key
 
 
+class SchedulerPolicy(Trial):
+    """Records the OS scheduling policy of the thread that runs its training step."""
+
+    policies: list[int] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        SchedulerPolicy.policies.append(os.sched_getscheduler(0))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
+def test_job_threads_run_in_the_idle_scheduling_class_and_the_foreground_does_not(tmp_path: Path) -> None:
+    SchedulerPolicy.policies = []
+    jobs = [BackgroundJob(SchedulerPolicy, trial_loader, max_steps=2, name="policy")]
+    fit_single(8, [BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=3)], tmp_path)
+    assert SchedulerPolicy.policies == [os.SCHED_IDLE, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+class Busy(nn.Module):
+    """A submodule whose forward burns 20 ms of CPU: one long piece among short ones."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return x
+
+
+class LongPiece(Trial):
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = Busy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.busy(torch.relu(self.a(x))))
+
+
+def test_a_piece_that_does_not_fit_the_windows_left_waits_at_its_safe_point(tmp_path: Path) -> None:
+    windows = IdleWindows()
+    gate = Gate(windows, "idle")
+    job = BackgroundJob(LongPiece, trial_loader, name="long", checkpoint_dir=tmp_path)
+    thread = threading.Thread(target=job.build(torch.device("cpu")).train, args=(gate,), daemon=True)
+
+    def open_windows(count: int, length_s: float) -> int:
+        for _ in range(count):
+            with windows.window("recv"):
+                time.sleep(length_s)
+            time.sleep(0.01)
+        return job.stats.global_step
+
+    thread.start()
+    try:
+        learned = open_windows(3, 0.2)  # every piece runs and is timed
+        open_windows(HISTORY, 0.005)  # from now on the windows are expected to last 5 ms
+        stalled = job.stats.global_step
+        assert open_windows(10, 0.005) == stalled
+        assert job.stats.state == "paused"
+        assert open_windows(HISTORY, 0.2) > stalled  # long windows let the 20 ms piece run again
+    finally:
+        gate.stop.set()
+        thread.join(timeout=10)
+    assert learned >= 3 and job.stats.state == "stopped"
+
+
 # ----------------------------------------------------------------------------- deeppool
 def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path) -> None:
     reference = fit_deeppool(2, 8, [], tmp_path / "ref", pinned_strategy()).state_dict()
@@ -309,6 +380,7 @@ def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["threads"] for r in ranks] == [[], []]
     assert [r["mode"] for r in ranks] == ["idle", "idle"]
+    assert [r["between_steps_learned"] for r in ranks] == [True, True]
     assert [[job["name"] for job in r["jobs"]] for r in ranks] == [["t1"], ["t0"]]
     assert ranks[1]["jobs"][0]["state"] == "stopped"
     steps = torch.load(tmp_path / "bg" / "background" / "t0.ckpt", weights_only=False)["global_step"]
