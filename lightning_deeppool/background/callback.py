@@ -121,7 +121,7 @@ class BackgroundTrainers(Callback):
         mode: str = "auto",
         max_slowdown: float = 1.10,
         slots_per_device: int = 1,
-        min_idle_fraction: float = 0.1,
+        min_idle_fraction: float = 0.2,
         warmup_steps: int = 6,
         probe_every: int = 20,
         adjust_every: int = 5,
@@ -181,7 +181,8 @@ class BackgroundTrainers(Callback):
         self._steps = 0
         self._period_start: float | None = None
         self._period_windows_s = 0.0
-        self._idle_windows_s = 0.0
+        self._warmup_s = 0.0
+        self._warmup_windows_s = 0.0
         self.idle_fractions: list[float] = []
         self._period_timed = False
         self._period_active = False
@@ -216,14 +217,16 @@ class BackgroundTrainers(Callback):
     ) -> None:
         now = time.perf_counter()
         windows_s = self._windows.total_s if self._windows is not None else 0.0
-        if self._period_start is not None and self._period_timed:
-            period_s = now - self._period_start
+        period_s = now - self._period_start if self._period_start is not None else 0.0
+        if self.resolved_mode is None and self._steps >= 2:  # a warm-up step after the planning one
+            self._warmup_s += period_s
+            self._warmup_windows_s += windows_s - self._period_windows_s
+        if self._period_timed:
             if self._period_active:
                 self.active_step_s.append(period_s)
                 self._adjust()
             else:
                 self.idle_step_s.append(period_s)
-                self._idle_windows_s += windows_s - self._period_windows_s
         self._period_start = now
         self._period_windows_s = windows_s
         # The first step plans; the next few run slower while caches and the allocator settle.
@@ -276,8 +279,8 @@ class BackgroundTrainers(Callback):
         has_windows = self._windows is not None and self._windows.opened > 0
         self.resolved_mode = choose_mode(self.mode, cuda=self._device.type == "cuda", has_windows=has_windows)
         usable = 1.0
-        if self.resolved_mode == "idle" and self.idle_step_s:
-            usable = self._idle_windows_s / sum(self.idle_step_s)
+        if self.resolved_mode == "idle" and self._warmup_s > 0:
+            usable = self._warmup_windows_s / self._warmup_s
         self.idle_fractions = [usable]
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self.idle_fractions = [0.0] * trainer.world_size
@@ -392,14 +395,18 @@ class BackgroundTrainers(Callback):
         return statistics.median(self.idle_step_s[-_BASELINE_WINDOW:])
 
     def summary(self) -> list[dict[str, Any]]:
-        """One row per job of this rank: name, state, steps, samples/s, last loss, error."""
+        """One row per job of this rank: name, state, steps, samples (and per second over its
+        running time, from `started_s` to `ended_s` on `time.perf_counter`), last loss, error."""
         return [
             {
                 "name": job.name,
                 "rank": job.stats.rank,
                 "state": job.stats.state,
                 "global_step": job.stats.global_step,
+                "samples": job.stats.samples,
                 "samples_per_s": job.stats.samples_per_s,
+                "started_s": job.stats.started_s,
+                "ended_s": job.stats.ended_s,
                 "loss": job.stats.loss,
                 "error": job.stats.error,
             }
