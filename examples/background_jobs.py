@@ -107,7 +107,7 @@ def main() -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=steps,
-        callbacks=[BackgroundTrainers(jobs, warmup_steps=3)],
+        callbacks=[BackgroundTrainers(jobs)],
         default_root_dir=args.root,
         enable_checkpointing=False,
         enable_progress_bar=False,

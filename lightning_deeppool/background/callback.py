@@ -121,7 +121,7 @@ class BackgroundTrainers(Callback):
         mode: str = "auto",
         max_slowdown: float = 1.10,
         slots_per_device: int = 1,
-        min_idle_fraction: float = 0.2,
+        min_idle_fraction: float = 0.25,
         warmup_steps: int = 6,
         probe_every: int = 20,
         adjust_every: int = 5,
@@ -181,8 +181,7 @@ class BackgroundTrainers(Callback):
         self._steps = 0
         self._period_start: float | None = None
         self._period_windows_s = 0.0
-        self._warmup_s = 0.0
-        self._warmup_windows_s = 0.0
+        self._warmup_idle: list[float] = []
         self.idle_fractions: list[float] = []
         self._period_timed = False
         self._period_active = False
@@ -218,9 +217,9 @@ class BackgroundTrainers(Callback):
         now = time.perf_counter()
         windows_s = self._windows.total_s if self._windows is not None else 0.0
         period_s = now - self._period_start if self._period_start is not None else 0.0
-        if self.resolved_mode is None and self._steps >= 2:  # a warm-up step after the planning one
-            self._warmup_s += period_s
-            self._warmup_windows_s += windows_s - self._period_windows_s
+        if self.resolved_mode is None and self._steps >= 2 and period_s > 0:
+            # A warm-up step after the planning one: the share of it spent waiting on other ranks.
+            self._warmup_idle.append((windows_s - self._period_windows_s) / period_s)
         if self._period_timed:
             if self._period_active:
                 self.active_step_s.append(period_s)
@@ -279,8 +278,8 @@ class BackgroundTrainers(Callback):
         has_windows = self._windows is not None and self._windows.opened > 0
         self.resolved_mode = choose_mode(self.mode, cuda=self._device.type == "cuda", has_windows=has_windows)
         usable = 1.0
-        if self.resolved_mode == "idle" and self._warmup_s > 0:
-            usable = self._warmup_windows_s / self._warmup_s
+        if self.resolved_mode == "idle" and self._warmup_idle:
+            usable = statistics.median(self._warmup_idle)  # one step a peer was late must not count
         self.idle_fractions = [usable]
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self.idle_fractions = [0.0] * trainer.world_size
