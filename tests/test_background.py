@@ -54,13 +54,14 @@ class Trial(pl.LightningModule):
 
 
 class Foreground(pl.LightningModule):
-    """Convs then a wide head: pinned to mixed widths so rank 1 waits while rank 0 runs the head."""
+    """Convs then a wide head: pinned to mixed widths so rank 1 waits (milliseconds, long enough for
+    a job's pieces) while rank 0 runs the head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.head = nn.Linear(8 * 8 * 8, 256)
-        self.out = nn.Linear(256, 10)
+        self.head = nn.Linear(8 * 8 * 8, 4096)
+        self.out = nn.Linear(4096, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.head(torch.relu(self.conv(x)).flatten(1))))
@@ -371,10 +372,10 @@ def test_a_piece_that_does_not_fit_the_windows_left_waits_at_its_safe_point(tmp_
 
 # ----------------------------------------------------------------------------- deeppool
 def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path) -> None:
-    reference = fit_deeppool(2, 8, [], tmp_path / "ref", pinned_strategy()).state_dict()
+    reference = fit_deeppool(2, 10, [], tmp_path / "ref", pinned_strategy()).state_dict()
     jobs = [BackgroundJob(Trial, trial_loader, name=f"t{i}", checkpoint_every=1) for i in range(2)]
     callbacks = [BackgroundTrainers(jobs, warmup_steps=3, min_idle_fraction=0.0), Probe(tmp_path)]
-    model = fit_deeppool(2, 8, callbacks, tmp_path / "bg", pinned_strategy())
+    model = fit_deeppool(2, 10, callbacks, tmp_path / "bg", pinned_strategy())
     for key, value in reference.items():
         assert torch.equal(model.state_dict()[key], value), key
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
