@@ -132,6 +132,16 @@ def standalone_rate(seed: int, checkpoint_dir: Path, device: torch.device, repea
     return statistics.median(rates)
 
 
+def held_slowdown(ranks: list[dict]) -> float | None:
+    """Within the shared run: the median step with jobs active over the median step with them held
+    (warm-up and probe steps), from a rank that had jobs; steps take the same time on every rank.
+    Immune to the machine's speed drifting between the alone and the shared run."""
+    rank = next((r for r in ranks if r["active_s"]), None)
+    if rank is None or not rank["idle_s"]:
+        return None
+    return statistics.median(rank["active_s"]) / statistics.median(rank["idle_s"])
+
+
 def background_share(rank: dict, standalone: list[float]) -> float:
     """One rank's background work in units of a device: each job's samples over its standalone rate
     (seconds of a device trained alone), summed, over the time from the rank's first job start to
@@ -185,6 +195,7 @@ def main() -> None:
                 "foreground_step_ms_alone": fg_alone * 1e3,
                 "foreground_step_ms_with_background": fg_shared * 1e3,
                 "foreground_slowdown": fg_shared / fg_alone,
+                "foreground_slowdown_vs_held_steps": held_slowdown(shared),
                 "idle_fractions": shared[0]["idle_fractions"],
                 "background_devices_per_rank": normalized,
                 "total_throughput_vs_foreground_alone": fg_alone / fg_shared + sum(normalized),
@@ -206,6 +217,9 @@ def main() -> None:
         "foreground_step_ms_with_background": median("foreground_step_ms_with_background"),
         "foreground_slowdown": median("foreground_slowdown"),
         "foreground_slowdown_max": max(r["foreground_slowdown"] for r in runs),
+        "foreground_slowdown_vs_held_steps": statistics.median(
+            r["foreground_slowdown_vs_held_steps"] for r in runs if r["foreground_slowdown_vs_held_steps"]
+        ),
         "background_samples_per_s_alone": standalone,
         "total_throughput_vs_foreground_alone": median("total_throughput_vs_foreground_alone"),
         "total_throughput_min": min(r["total_throughput_vs_foreground_alone"] for r in runs),
