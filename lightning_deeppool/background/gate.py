@@ -51,5 +51,4 @@ class Gate:
         paused(False)
 
     def _allowed(self, next_piece_s: float) -> bool:
-        fits = self.mode == "priority" or self.windows.fits(next_piece_s)
-        return may_run(self.mode, window_fits=fits, held=self.held)
+        return may_run(self.mode, window_fits=self.windows.fits(next_piece_s), held=self.held)
