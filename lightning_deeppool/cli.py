@@ -25,7 +25,7 @@ import torch
 import yaml
 from jsonargparse import ArgumentParser
 
-from lightning_deeppool.planner.capture import CapturedGraph, CaptureError, capture_graph
+from lightning_deeppool.capture import CapturedGraph, CaptureError, capture_graph
 from lightning_deeppool.planner.graph import LayerGraph
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.profile import (
@@ -137,7 +137,7 @@ def _graph_and_profile(args: argparse.Namespace, *, world_size: int) -> tuple[La
 
 
 def _capture(args: argparse.Namespace, device: torch.device) -> tuple[CapturedGraph, dict[str, Any]]:
-    """The captured graph of the model and a random two-sample example batch bound to its forward."""
+    """The captured graph of the model and a random four-sample example batch bound to its forward."""
     shape = _parse_shape(args.input_shape)
     dtype = getattr(torch, args.input_dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -156,9 +156,9 @@ def _capture(args: argparse.Namespace, device: torch.device) -> tuple[CapturedGr
     model.to(device)
     # Integer inputs (token ids, indices) are zeros: valid for any embedding table.
     example = (
-        torch.randn(2, *shape, device=device).to(dtype)
+        torch.randn(4, *shape, device=device).to(dtype)
         if dtype.is_floating_point
-        else torch.zeros(2, *shape, dtype=dtype, device=device)
+        else torch.zeros(4, *shape, dtype=dtype, device=device)
     )
     try:
         captured = capture_graph(model, (example,), leaf_modules=args.leaf)

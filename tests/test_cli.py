@@ -163,7 +163,7 @@ def test_bad_shapes_and_unknown_pins_are_usage_errors(tiny, capsys):
         "--input-shape '8,x' must be comma-separated positive integers, e.g. 3,32,32"
     )
     error = usage_error(capsys, ["plan", tiny, "--input-shape", "5", *common])
-    assert "running the example batch through node 'body'" in error and "(2x5 and 8x16)" in error
+    assert "running Tiny.forward on the example batch failed" in error and "(4x5 and 8x16)" in error
     assert "pin 'classifier' matches no layer" in usage_error(
         capsys, ["plan", tiny, "--input-shape", "8", "--pin", "classifier=1", *common]
     )

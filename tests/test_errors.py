@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_deeppool import DeepPoolStrategy, Plan
-from lightning_deeppool.planner.capture import capture_graph
+from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.planner.plan import LayerPlan
 
 from distributed import run_distributed
@@ -19,7 +19,7 @@ from models import MLP, ConvNet, images, join_lightning_world, make_model, train
 
 
 class Gate(nn.Module):
-    """Data-dependent control flow: torch.fx cannot trace it."""
+    """Data-dependent control flow: capture cannot follow it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.sum() > 0 else -x
@@ -49,7 +49,7 @@ class NoForwardMLP(MLP):
 
 
 def _plan_for(model: nn.Module, world_size: int) -> Plan:
-    graph = capture_graph(model, (images(2).tensors[0],)).graph
+    graph = capture_graph(model, (images(4).tensors[0],)).graph
     layers = tuple(
         LayerPlan(layer.name, layer.module, 1, 0.0, 0.0, 0.0, layer.params) for layer in graph.layers
     )
@@ -105,7 +105,7 @@ def test_untraceable_submodule_names_it_and_suggests_leaf_modules(errors):
 
 def test_untraceable_forward_suggests_the_module_argument(errors):
     text = _on_every_rank(errors, "untraceable forward")
-    assert text.count("could not trace BranchingMLP.forward") == 2
+    assert text.count("BranchingMLP.forward converts a tensor computed from the batch") == 2
     assert text.count("DeepPoolStrategy(module=") == 2
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_deeppool.planner.capture import capture_graph
+from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.planner.profiler import profile_layers
 
 from distributed import run_distributed
@@ -46,7 +46,7 @@ def _nccl_gradients(rank: int) -> float:
     reference.load_state_dict(net.state_dict())
     x = torch.randn(8, 3, 16, 16, device="cuda")
     reference(x).square().mean().backward()
-    captured = capture_graph(net, (x[:2],))
+    captured = capture_graph(net, (x[:4],))
     widths = {layer.name: (1 if layer.name == "head" else 2) for layer in captured.graph.layers}
     params = dict(captured.module.named_parameters())
     sizes = {n: p.numel() * p.element_size() for n, p in params.items()}

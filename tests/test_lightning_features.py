@@ -2,7 +2,8 @@
 
 One run trains with validation, torchmetrics, `self.log(sync_dist=True)`, a per-step LR scheduler and
 clipping by value, then validates, tests and predicts with the same Trainer and with a fresh one
-that loads the saved plan; a second run trains in bf16-mixed. Everything is compared with one device.
+given the saved plan (evaluation runs the module itself on every rank); a second run trains in
+bf16-mixed. Everything is compared with one device.
 """
 
 from __future__ import annotations
@@ -130,8 +131,10 @@ def test_evaluation_after_fit_matches_single_device(runs, stage):
         assert rank[stage] == pytest.approx(runs["expected"][stage], abs=TOLERANCE)
 
 
-def test_evaluation_after_fit_runs_through_the_plan(runs):
-    assert all(rank["validate_ran_the_plan"] for rank in runs["ranks"])
+def test_evaluation_runs_the_module_itself_on_every_rank(runs):
+    # Evaluation has no gradients to save: every rank runs every layer on its own samples, as DDP does,
+    # so a call that only some ranks make (a rank-0-only callback) cannot hang.
+    assert not any(rank["validate_ran_the_plan"] for rank in runs["ranks"])
 
 
 def test_predict_returns_each_rank_its_samples(runs):
@@ -142,7 +145,7 @@ def test_predict_returns_each_rank_its_samples(runs):
 
 def test_standalone_validate_with_a_plan_file_matches_single_device(runs):
     for rank in runs["ranks"]:
-        assert rank["standalone_ran_the_plan"]
+        assert not rank["standalone_ran_the_plan"]
         assert rank["standalone_validate"] == pytest.approx(runs["expected"]["validate"], abs=TOLERANCE)
 
 

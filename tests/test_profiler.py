@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_deeppool.planner.capture import CapturedGraph, capture_graph
+from lightning_deeppool.capture import CapturedGraph, capture_graph
 from lightning_deeppool.planner.profile import LayerProfile
 from lightning_deeppool.planner.profiler import (
     assign_layers,
@@ -130,8 +130,9 @@ def test_profiling_an_in_place_layer_works():
 
 
 def test_a_failing_layer_is_named_with_its_batch_size():
+    # A leaf module runs as Python: BatchNorm1d refuses one sample in training.
     module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    captured = capture_graph(module, (torch.randn(2, 4),))
+    captured = capture_graph(module, (torch.randn(4, 4),), leaf_modules=["1"])
     with pytest.raises(RuntimeError, match="profiling layer '_1' at per-device batch size 1 failed"):
         profile_layers(captured, captured.bind((torch.randn(2, 4),), {}), [1, 2], warmup=0, repeats=1)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_deeppool.planner.capture import capture_graph
+from lightning_deeppool.capture import capture_graph
+from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.runtime import BurstRuntime
 from lightning_deeppool.strategy.schedule import build_schedule
@@ -51,18 +52,20 @@ def _errors(rank: int, world: int) -> dict[str, dict[str, float]]:
         ref.load_state_dict(net.state_dict())
         expected = ref(x)
         nn.functional.cross_entropy(expected, y).backward()
-        captured = capture_graph(net, (x[:2],))
+        captured = capture_graph(net, (x[:4],))
         widths = {layer.name: pattern(i, world) for i, layer in enumerate(captured.graph.layers)}
         params = dict(captured.module.named_parameters())
         sizes = {k: v.numel() * 4 for k, v in params.items()}
         schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, world)
         groups = PlanGroups(schedule.param_widths.values(), world)
-        runtime = BurstRuntime(
-            captured, schedule, rank=rank, device=torch.device("cpu"), groups=groups, params=params
-        )
+        buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
+        local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
+        grad_sync = GradSync(params, groups, world, buckets, local=local)
+        runtime = BurstRuntime(captured, schedule, rank=rank, device=torch.device("cpu"), grad_sync=grad_sync)
         out = runtime.forward(x[mine])
-        # A rank's loss is its share of the global mean: the runtime divides by the world size.
+        # A rank's loss is its share of the global mean: gradients are divided by the world size.
         (nn.functional.cross_entropy(out, y[mine], reduction="sum") * world / SAMPLES).backward()
+        grad_sync.sync()
         errors = {"output": (out - expected[mine]).abs().max().item()}
         reference = dict(ref.named_parameters())
         for param, p in params.items():

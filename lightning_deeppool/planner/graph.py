@@ -1,7 +1,9 @@
 """The layer graph the planner reasons about: plain data, no torch.
 
-A layer is one node of the traced forward whose output carries the batch dimension first. Graph
-inputs are the forward's arguments; they and the graph's outputs live on all ranks (width N).
+A layer is a group of operations of the captured forward whose value carries the batch dimension
+first, or, for a `per_rank` layer, a reduction over the samples of each rank (a loss computed inside
+forward), which runs at full width on the rank's own samples, as under DDP. Graph inputs are the
+forward's tensor arguments; they and the graph's outputs live on all ranks (width N).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Layer:
 
     `inputs` names the layers or graph inputs whose values it reads; `sample_bytes` is the size of
     its output per sample; `params`/`param_bytes` count the parameters it owns (a parameter shared
-    by several layers is counted once, at its first user).
+    by several layers is counted once, at its first user); `per_rank` layers run at full width only.
     """
 
     name: str
@@ -40,6 +42,7 @@ class Layer:
     sample_bytes: int
     params: int = 0
     param_bytes: int = 0
+    per_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in ("call_module", "call_function", "call_method"):
@@ -118,7 +121,7 @@ class LayerGraph:
     def to_dict(self) -> dict[str, Any]:
         return {
             "inputs": [asdict(i) for i in self.inputs],
-            "layers": [{**asdict(layer), "inputs": list(layer.inputs)} for layer in self.layers],
+            "layers": [_layer_dict(layer) for layer in self.layers],
             "outputs": list(self.outputs),
         }
 
@@ -129,3 +132,10 @@ class LayerGraph:
             layers=tuple(Layer(**{**layer, "inputs": tuple(layer["inputs"])}) for layer in data["layers"]),
             outputs=tuple(data["outputs"]),
         )
+
+
+def _layer_dict(layer: Layer) -> dict[str, Any]:
+    data = {**asdict(layer), "inputs": list(layer.inputs)}
+    if not layer.per_rank:
+        del data["per_rank"]  # the common case stays out of plan and profile files
+    return data

@@ -237,6 +237,11 @@ def plan_with_widths(
             raise ValueError(f"layer {layer.name!r} has no width")
         if not 1 <= widths[layer.name] <= world_size:
             raise ValueError(f"layer {layer.name!r}: width {widths[layer.name]} is outside 1..{world_size}")
+        if layer.per_rank and widths[layer.name] != world_size:
+            raise ValueError(
+                f"layer {layer.name!r} reduces over each rank's samples (a loss inside forward): it must run "
+                f"at the full width {world_size}, not {widths[layer.name]}"
+            )
     step = cost.evaluate(graph, profile, widths, world_size=world_size, global_batch_size=global_batch_size)
     ddp = cost.ddp_baseline(graph, profile, world_size=world_size, global_batch_size=global_batch_size)
     return Plan(

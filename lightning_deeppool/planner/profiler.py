@@ -10,15 +10,15 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import fx
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.planner.capture import CapturedGraph, evaluate, repeat_first_sample
+from lightning_deeppool.capture import CapturedGraph, ValueMeta
+from lightning_deeppool.capture.graph import preserved
+from lightning_deeppool.capture.values import rows_view, samples_view
 from lightning_deeppool.planner.profile import LayerProfile
 
 
@@ -84,7 +84,7 @@ def profile_layers(
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     names = list(layers) if layers is not None else [layer.name for layer in captured.graph.layers]
-    unknown = [name for name in names if name not in captured.layer_nodes]
+    unknown = [name for name in names if name not in captured.code]
     if unknown:
         raise ValueError(f"no layers named {unknown} in the captured graph")
     gm = captured.module
@@ -92,9 +92,8 @@ def profile_layers(
     env = {name: _to_device(value, device) for name, value in env.items()}
     local = {name: env[name] for name in captured.local_inputs}
     profiles: dict[str, LayerProfile] = {}
-    with _unchanged_module(gm, device):
-        samples = _first_samples(captured, env)
-        gm.train()
+    with preserved(gm, device), torch.enable_grad():
+        samples = _two_samples(captured, env, local)
         for done, name in enumerate(names, start=1):
             inputs = {value: samples[value] for value in captured.graph.layer(name).inputs}
             profiles[name] = _profile_layer(captured, name, local, inputs, sizes, warmup, repeats, device)
@@ -118,12 +117,11 @@ def _profile_layer(
     seconds, peaks = [], []
     for b in sizes:
         leaves = {
-            value: pytree.tree_map(_leaf_input, repeat_first_sample(v, b)) for value, v in samples.items()
+            value: pytree.tree_map(_leaf_input, repeat_sample(v, captured.meta[value], b))
+            for value, v in samples.items()
         }
         wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
-        run = functools.partial(
-            _forward_backward, captured.module, captured.layer_nodes[name], local, wrt + trainable
-        )
+        run = functools.partial(_forward_backward, captured, name, local, b, wrt + trainable)
         try:
             median, peak = _measure(run, leaves, device, warmup, repeats)
         except Exception as err:
@@ -136,35 +134,24 @@ def _profile_layer(
     return LayerProfile(name, tuple(sizes), tuple(seconds), measured_peaks or None)
 
 
-@contextmanager
-def _unchanged_module(gm: fx.GraphModule, device: torch.device) -> Iterator[None]:
-    """Restore training flags, buffers and RNG state; run with autograd enabled."""
-    flags = {m: m.training for m in gm.modules()}
-    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type)
-    try:
-        with rng, torch.enable_grad():
-            yield
-    finally:
-        with torch.no_grad():
-            for name, b in gm.named_buffers():
-                b.copy_(buffers[name])
-        for m, flag in flags.items():
-            m.training = flag
-
-
-def _first_samples(captured: CapturedGraph, env: dict[str, Any]) -> dict[str, Any]:
-    """First sample of every batch value, from one eval-mode pass of the example (two samples)."""
-    gm = captured.module
-    values = dict(env)
-    for name in captured.batch_inputs:
-        values[name] = repeat_first_sample(env[name], 2)
-    gm.eval()
+def _two_samples(captured: CapturedGraph, env: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
+    """Every layer's and batch input's value on the example's first two samples (no grad)."""
+    inputs = {name: env[name][:2] for name in captured.batch_inputs}
+    count = inputs[captured.batch_inputs[0]].shape[0]
     with torch.no_grad():
-        for node in gm.graph.nodes:
-            if node.op not in ("placeholder", "output"):
-                values[node.name] = evaluate(gm, node, values)
-    return {name: repeat_first_sample(values[name], 1) for name in captured.meta}
+        return captured.run_all(inputs, count, local)
+
+
+def repeat_sample(value: Any, meta: ValueMeta, batch_size: int) -> Any:
+    """The value with its first sample repeated to `batch_size` samples (per-rank values unchanged)."""
+    if meta.per_rank:
+        return value
+    leaves = pytree.tree_leaves(value)
+    repeated = [
+        rows_view(samples_view(t, m)[:1].expand(batch_size, *m.shape).contiguous(), m)
+        for t, m in zip(leaves, meta.leaves, strict=True)
+    ]
+    return pytree.tree_unflatten(repeated, meta.spec)
 
 
 def _measure(
@@ -190,17 +177,16 @@ def _measure(
 
 
 def _forward_backward(
-    gm: fx.GraphModule,
-    nodes: list[fx.Node],
+    captured: CapturedGraph,
+    name: str,
     local: dict[str, Any],
+    batch_size: int,
     wrt: list[torch.Tensor],
     inputs: dict[str, Any],
 ) -> None:
-    """Evaluate the layer's nodes, then backward with a ones upstream gradient (no `.grad` touched)."""
-    values = {**local, **inputs}
-    for node in nodes:
-        values[node.name] = evaluate(gm, node, values)
-    outputs = [leaf for leaf in pytree.tree_leaves(values[nodes[-1].name]) if _needs_grad(leaf)]
+    """Run the layer, then backward with a ones upstream gradient (no `.grad` touched)."""
+    value = captured.run_layer(name, inputs, batch_size, local)
+    outputs = [leaf for leaf in pytree.tree_leaves(value) if _needs_grad(leaf)]
     if outputs and wrt:
         upstream = [torch.ones_like(out) for out in outputs]
         torch.autograd.grad(outputs, wrt, upstream, allow_unused=True)
@@ -239,7 +225,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
-def _module_device(gm: fx.GraphModule) -> torch.device:
+def _module_device(gm: torch.nn.Module) -> torch.device:
     tensor = next(gm.parameters(), None)
     return tensor.device if tensor is not None else torch.device("cpu")
 

@@ -72,6 +72,11 @@ def resolve_pins(graph: LayerGraph, pins: Mapping[str, int] | None, world_size: 
     return resolved
 
 
+def full_width_layers(graph: LayerGraph, world_size: int) -> dict[str, int]:
+    """Per-rank layers (reductions over each rank's own samples) run at full width, whatever the pins."""
+    return {layer.name: world_size for layer in graph.layers if layer.per_rank}
+
+
 def amplification(profile: Profile, layer: Layer, width: int, global_batch_size: int) -> float:
     """Device-time of the layer at ``width`` over its time alone: ``time(w) * w / time(1)``."""
     alone = cost.compute_time(profile, layer, 1, global_batch_size)
@@ -112,7 +117,7 @@ def search(
         global_batch_size=global_batch_size,
         amplification_limit=amplification_limit,
         exempt_below_s=exempt_below_s,
-        pinned=resolve_pins(graph, pins, world_size),
+        pinned={**resolve_pins(graph, pins, world_size), **full_width_layers(graph, world_size)},
     )
     if memory_budget_bytes is None:
         choice = _dp(tables, 0.0, max_states)

@@ -1,14 +1,16 @@
 """`DeepPoolStrategy`: DDP's process model with a burst-parallel plan instead of the DDP wrapper.
 
-On the first training forward every rank traces the module, profiles its share of the layers, and
-rank 0 plans; the plan is broadcast and installed: the module's forward is replaced by the runtime,
-process groups are built and the optimizers keep only the parameters this rank owns. Rank 0 runs
+Calls of the model inside `training_step` that every rank makes run the plan (`forward_calls`); the
+first one captures the module, profiles it, plans on rank 0 and installs the plan on every rank:
+process groups, the runtime, and gradient synchronisation at the end of each backward (and before
+each optimizer step). Every other call runs as plain PyTorch on the rank that makes it. Rank 0 runs
 every layer, so it holds every parameter and all optimizer state: checkpoints are written from it.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,21 +28,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.utils import _pytree as pytree
 from typing_extensions import override
 
-from lightning_deeppool.planner.cache import default_cache_dir
-from lightning_deeppool.planner.capture import CapturedGraph, capture_graph
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.profile import Profile
-from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S, search
-from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
+from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.strategy.amp import make_scaler_agree
-from lightning_deeppool.strategy.groups import PlanGroups
+from lightning_deeppool.strategy.calls import CallAgreement
+from lightning_deeppool.strategy.forward_calls import ForwardCalls
 from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.profiling import profile_on_ranks
-from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES, build_schedule
+from lightning_deeppool.strategy.install import Installer, Installation
+from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
@@ -59,7 +57,8 @@ class DeepPoolStrategy(DDPStrategy):
             prefixes to widths pins those layers (``{"classifier": 1}``; ``""`` pins all).
         save_plan: where rank 0 writes the plan (default: ``<log_dir>/deeppool_plan.json``).
         module: name of the submodule whose forward is planned (default: the LightningModule).
-        leaf_modules: submodules planned as single layers (for code torch.fx cannot trace).
+        leaf_modules: submodules planned as single layers and run as Python at every step (for code
+            capture cannot follow).
         profile_warmup, profile_repeats: timing runs per layer and batch size (median of repeats).
         cache_dir: profile cache (default ``$DEEPPOOL_CACHE_DIR`` or ``~/.cache/lightning_deeppool``);
             ``False`` disables caching.
@@ -108,27 +107,31 @@ class DeepPoolStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.amplification_limit = float(amplification_limit)
-        self.plan_source = dict(plan) if isinstance(plan, Mapping) else plan
-        self.save_plan = save_plan
+        self.installer = Installer(
+            amplification_limit=float(amplification_limit),
+            plan_source=dict(plan) if isinstance(plan, Mapping) else plan,
+            save_plan=save_plan,
+            leaf_modules=tuple(leaf_modules),
+            profile_warmup=profile_warmup,
+            profile_repeats=profile_repeats,
+            cache_dir=cache_dir,
+            exempt_below_s=exempt_below_s,
+            memory_budget_bytes=memory_budget_bytes,
+            bucket_bytes=int(bucket_mb * 2**20),
+        )
         self.module_name = module
-        self.leaf_modules = tuple(leaf_modules)
-        self.profile_warmup = profile_warmup
-        self.profile_repeats = profile_repeats
-        self.cache_dir = cache_dir
-        self.exempt_below_s = exempt_below_s
-        self.memory_budget_bytes = memory_budget_bytes
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.plan: Plan | None = None
-        self.profile: Profile | None = None
         self.idle_windows = IdleWindows()
-        self._runtime: BurstRuntime | None = None
-        self._groups: PlanGroups | None = None
-        self._target: nn.Module | None = None
-        self._captured: CapturedGraph | None = None
+        self.plan: Plan | None = None
+        self.installation: Installation | None = None
+        self._calls: ForwardCalls | None = None
         self._sync_gradients = True
         self._failed = False
         self._between_steps_loop: Any = None
+
+    @property
+    def profile(self) -> Profile | None:
+        """The profile the plan was made from (None when the plan was given)."""
+        return self.installer.profile
 
     @classmethod
     @override
@@ -163,18 +166,35 @@ class DeepPoolStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._replace_forward()
+        self._calls = ForwardCalls(self, self._planned_module(), self._agreement())
         self._agree_on_clipping()
         self._wait_between_steps_in_window(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             make_scaler_agree(scaler, self.root_device)
 
+    def _agreement(self) -> CallAgreement | None:
+        if self.world_size < 2:
+            return None
+        prefix = self.broadcast(f"deeppool/{uuid.uuid4().hex}")
+        store = dist.distributed_c10d._get_default_store()
+        return CallAgreement(store, prefix, self.global_rank, self.world_size)
+
+    @override
+    def on_validation_start(self) -> None:
+        # Ranks other than 0 skipped the updates of layers they do not run: validation runs every
+        # layer on every rank, so give them rank 0's parameters and buffers first.
+        self._refresh_parameters()
+
     @override
     def on_train_end(self) -> None:
-        # Ranks other than 0 skipped the updates of layers they do not run: give them the result.
-        if self._runtime is not None and self.lightning_module is not None:
+        self._refresh_parameters()
+
+    def _refresh_parameters(self) -> None:
+        if self._calls is not None and self._calls.stale_anywhere:
+            assert self.lightning_module is not None
             _sync_module_states(self.lightning_module)
+            self._calls.refreshed()
 
     @override
     def teardown(self) -> None:
@@ -182,8 +202,12 @@ class DeepPoolStrategy(DDPStrategy):
         if connected and not self._failed and self.world_size > 1:
             # After a clean run, no rank destroys the plan's groups while a peer may still use them.
             dist.barrier()
-        self._uninstall()
-        self._restore_forward()
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
+        if self.installation is not None:
+            self.installation.close()
+            self.installation = None
         self._restore_wait_between_steps()
         super().teardown()
         if self._start_method != "popen" and connected:
@@ -194,29 +218,41 @@ class DeepPoolStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Say where in the burst schedule a failure (a collective timeout, say) happened."""
         self._failed = True
-        action = self._runtime.last_action if self._runtime is not None else None
+        runtime = self.installation.runtime if self.installation is not None else None
+        action = runtime.last_action if runtime is not None else None
         if action is not None and hasattr(exception, "add_note"):
             exception.add_note(
                 f"deeppool: rank {self.global_rank} was running action {action} of the plan's schedule"
             )
 
+    # ------------------------------------------------------------------------------ the step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._calls is None:
+            return super().training_step(*args, **kwargs)
+        with self._calls.training_step():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Backward, then synchronize the gradients it produced (unless accumulating)."""
+        if self._calls is not None:
+            self._calls.before_backward(last=self._sync_gradients)
+        with self._blocked():
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if self._sync_gradients and self._calls is not None:
+                self._calls.sync_gradients()
+        return loss
+
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip gradient all-reduces on accumulation steps; the last micro-batch syncs the sum.
-
-        The flag is kept on the strategy too: the first micro-batch's forward installs the runtime
-        inside this block, and that runtime must not sync either.
-        """
+        """Skip gradient all-reduces on accumulation steps; the last micro-batch syncs the sum."""
         self._sync_gradients = False
-        if self._runtime is not None:
-            self._runtime.sync_gradients = False
         try:
             yield
         finally:
             self._sync_gradients = True
-            if self._runtime is not None:
-                self._runtime.sync_gradients = True
 
     @override
     def optimizer_step(
@@ -226,25 +262,51 @@ class DeepPoolStrategy(DDPStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        def closure_then_check() -> Any:
+        calls = self._calls
+
+        def closure_then_sync() -> Any:
             result = closure()
-            self._check_installed()
+            if calls is not None:
+                calls.check_installed()
+                with self._blocked():
+                    calls.sync_gradients(optimizer)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if calls is not None:
+            calls.after_optimizer_step()
+        return output
 
-    def _check_installed(self) -> None:
-        """A training step that never ran the planned forward installed no plan: its gradients were
-        not synchronized. Every rank ran the same step, so every rank raises here."""
-        if self._runtime is not None or self.world_size < 2:
+    @contextmanager
+    def _blocked(self) -> Generator[None, None, None]:
+        """This rank may wait for the others here (a collective)."""
+        agreement = self._calls.agreement if self._calls is not None else None
+        if agreement is None or not self._calls.in_training_step:  # type: ignore[union-attr]
+            yield
             return
-        target = self._target if self._target is not None else self._planned_module()
-        raise RuntimeError(
-            f"deeppool: the training step did not call {type(target).__name__}.forward, so no plan was "
-            "installed and gradients would not be synchronized across ranks. Call the model's forward "
-            "in training_step (self(x)), or set DeepPoolStrategy(module='<name>') to the submodule "
-            "training_step calls."
-        )
+        with agreement.blocked():
+            yield
+
+    # Lightning's own collectives inside a training step (`self.log(sync_dist=True)`, ...) block too.
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        with self._blocked():
+            return super().reduce(*args, **kwargs)
+
+    @override
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        with self._blocked():
+            return super().all_gather(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._blocked():
+            return super().broadcast(obj, src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._blocked():
+            super().barrier(*args, **kwargs)
 
     # ------------------------------------------------------------------------ forward takeover
     def _planned_module(self) -> nn.Module:
@@ -261,152 +323,27 @@ class DeepPoolStrategy(DDPStrategy):
                 f"submodule; its children are {names}"
             ) from None
 
-    def _replace_forward(self) -> None:
-        target = self._planned_module()
-        self._target = target
-        original = type(target).forward.__get__(target)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._runtime is None and self._should_install():
-                self._install(args, kwargs)
-            if self._runtime is not None:
-                return self._runtime.forward(*args, **kwargs)
-            return original(*args, **kwargs)
-
-        target.forward = forward  # type: ignore[method-assign]
-
-    def _restore_forward(self) -> None:
-        if self._target is not None and "forward" in vars(self._target):
-            del self._target.forward
-        self._target = None
-
-    def _should_install(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or self.world_size < 2:
-            return False
-        return trainer.training or self.plan is not None or isinstance(self.plan_source, str | Path)
-
-    # ----------------------------------------------------------------------------- planning
-    def _install(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Capture, profile (or load), plan on rank 0, broadcast, and install on every rank."""
-        target = self._target
-        assert target is not None
-        # Before capture: a rank without samples cannot trace, and must fail with the others.
-        global_batch = self._global_batch_size(args, kwargs)
-        captured = on_every_rank(lambda: capture_graph(target, args, kwargs, leaf_modules=self.leaf_modules))
-        env = captured.bind(args, kwargs)
-        if self.plan is None:
-            self.plan = self._make_plan(captured, env, global_batch)
-        self.plan.check_matches(captured.graph, self.world_size)
-        self._activate(captured)
-
-    def _global_batch_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Sum of the ranks' sample counts (tensor arguments are batches). Collective."""
-        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        counts: list[Any] = [None] * self.world_size
-        with self.idle_windows.window("global_batch_size"):
-            dist.all_gather_object(counts, leaves[0].shape[0] if leaves else 0)
-        total = sum(counts)
-        if total < self.world_size:
-            raise ValueError(
-                f"the global batch has {total} samples ({counts} per rank), fewer than the {self.world_size} "
-                "devices: every device needs at least one sample. Increase the DataLoader batch_size."
-            )
-        return int(total)
-
-    def _make_plan(self, captured: CapturedGraph, env: dict[str, Any], global_batch: int) -> Plan:
-        if isinstance(self.plan_source, str | Path):
-            path = Path(self.plan_source)
-            plan = on_every_rank(lambda: Plan.load(path))
-            plan.check_matches(captured.graph, self.world_size)
-            return plan
-        pins = self.plan_source if isinstance(self.plan_source, Mapping) else None
-        cache_dir = None if self.cache_dir is False else Path(self.cache_dir or default_cache_dir())
-        profile = profile_on_ranks(
-            captured,
-            env,
-            global_batch,
+    def install(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Installation:
+        """Capture, plan and install on every rank (collective): the first planned call's work."""
+        assert self.lightning_module is not None
+        self.installation = self.installer.install(
+            self.lightning_module,
+            target,
+            args,
+            kwargs,
             device=self.root_device,
             optimizers=self.optimizers,
-            cache_dir=cache_dir,
-            warmup=self.profile_warmup,
-            repeats=self.profile_repeats,
-        )
-        self.profile = profile
-        plan = on_rank_zero(
-            lambda: search(
-                captured.graph,
-                profile,
-                world_size=self.world_size,
-                global_batch_size=global_batch,
-                amplification_limit=self.amplification_limit,
-                exempt_below_s=self.exempt_below_s,
-                pins=pins,
-                memory_budget_bytes=self.memory_budget_bytes,
-            )
-        )
-        self._report(plan, self._plan_path())
-        return plan
-
-    def _report(self, plan: Plan, path: Path | None) -> None:
-        if self.global_rank != 0:
-            return
-        print(plan.table(), flush=True)
-        if path is not None:
-            plan.save(path)
-            print(f"deeppool: plan written to {path}", flush=True)
-
-    def _plan_path(self) -> Path | None:
-        """`save_plan`, else the run's log directory. Collective: `trainer.log_dir` broadcasts."""
-        if self.save_plan:
-            return Path(self.save_plan)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        log_dir = trainer.log_dir if trainer is not None else None
-        return Path(log_dir) / "deeppool_plan.json" if log_dir else None
-
-    def _activate(self, captured: CapturedGraph) -> None:
-        """Build groups, the runtime and the pruned optimizers for `self.plan` (every rank)."""
-        assert self.plan is not None and self.lightning_module is not None
-        params = dict(captured.module.named_parameters())
-        schedule = build_schedule(
-            captured.graph,
-            self.plan.widths(),
-            captured.layer_params,
-            {name: p.numel() * p.element_size() for name, p in params.items()},
-            self.world_size,
-            self.bucket_bytes,
-        )
-        planned = {id(p) for p in params.values()}
-        unplanned = {
-            f"<unplanned>.{name}": p
-            for name, p in self.lightning_module.named_parameters()
-            if id(p) not in planned and p.requires_grad
-        }
-        self._groups = PlanGroups([*schedule.param_widths.values(), self.world_size], self.world_size)
-        self._runtime = BurstRuntime(
-            captured,
-            schedule,
-            rank=self.global_rank,
-            device=self.root_device,
-            groups=self._groups,
-            params={**params, **unplanned},
-            unplanned=list(unplanned),
             idle=self.idle_windows,
-            redistribution=self._groups.redistribution,
+            log_dir=self._log_dir(),
+            plan=self.plan,
         )
-        self._runtime.sync_gradients = self._sync_gradients
-        self._captured = captured
-        owner = {id(p): schedule.param_widths.get(name, self.world_size) for name, p in params.items()}
-        _prune_optimizers(self.optimizers, lambda p: self.global_rank < owner.get(id(p), self.world_size))
+        self.plan = self.installation.plan
+        return self.installation
 
-    def _uninstall(self) -> None:
-        if self._runtime is not None:
-            self._runtime.close()
-        if self._groups is not None:
-            self._groups.destroy()
-        self._groups = None
-        self._runtime = None
-        self._captured = None
+    def _log_dir(self) -> str | None:
+        """The run's log directory (collective: `trainer.log_dir` broadcasts)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer.log_dir if trainer is not None else None
 
     # --------------------------------------------------------------------------- idle windows
     def _wait_between_steps_in_window(self, trainer: pl.Trainer) -> None:
@@ -440,21 +377,9 @@ class DeepPoolStrategy(DDPStrategy):
             grads = [p for p in main_params(optimizer) if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
             norm = norm.to(self.root_device, torch.float32)
-            if self._runtime is not None:
+            if self.installation is not None:
                 with self.idle_windows.window("clip_norm"):
                     dist.broadcast(norm, src=0)
             torch.nn.utils.clip_grads_with_norm_(grads, clip_val, norm)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-
-def _prune_optimizers(optimizers: list[Any], keep: Callable[[nn.Parameter], bool]) -> None:
-    """Drop the parameters this rank does not own from every param group, in place (so LR
-    schedulers, which hold the groups, keep working), with their state and gradients."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            dropped = [p for p in group["params"] if not keep(p)]
-            group["params"][:] = [p for p in group["params"] if keep(p)]
-            for p in dropped:
-                optimizer.state.pop(p, None)
-                p.grad = None

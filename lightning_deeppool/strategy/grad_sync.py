@@ -1,18 +1,23 @@
-"""Gradient synchronisation: each bucket is all-reduced only among its owners, asynchronously.
+"""Gradient synchronisation: every gradient contribution is reduced once, among its parameter's owners.
 
-Gradients are divided by the world size before the sum, as DDP does: with each rank's loss a mean
-over its own samples, the result equals DDP's averaged gradient on every owner.
+Gradients are divided by the world size before the sum, as DDP does: with each rank's loss a mean over
+its own samples, the result equals DDP's averaged gradient on every owner.
 
-Buckets launch as soon as their gradients are final (a post-accumulate hook per parameter), so the
-all-reduce overlaps the rest of the backward, but always in the schedule's bucket order: every
-member issues the same collectives in the same sequence. The schedule's `sync` action launches
-whatever is still pending at the point where the bucket is final for certain.
+A pre-accumulation hook on each parameter tracks which gradients hold contributions not reduced yet
+(*fresh*). A sync reduces only those, so any number of forwards and backwards between optimizer steps
+gives one device's gradient: when a backward adds to a gradient that was already reduced (gradients not
+zeroed between steps), the reduced part is set aside and only the new part is reduced. A parameter that
+received nothing keeps ``grad is None``, as on one device. Which parameters are fresh is the same on
+every owner: they run the same layers on the same graph.
+
+During the final backward pass of a step the schedule's buckets are launched as soon as their gradients
+are final, so the all-reduce overlaps the rest of the backward, always in bucket order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -21,15 +26,11 @@ from torch import nn
 
 from lightning_deeppool.strategy.schedule import Bucket
 
-
 class GradSync:
-    """Launches this rank's bucket all-reduces during backward and finishes them at the end.
-
-    `buckets` are the buckets this rank is a member of, in schedule order; `local` the parameters
-    only this rank owns (divided, never reduced); `unplanned` those outside the traced graph,
-    averaged over all ranks at the end, as DDP would. `uses` counts how many layers use each
-    parameter: one used more than once is only final at its schedule `sync`, not at its first hook.
-    """
+    """Reduces this rank's fresh gradients: schedule buckets among their owners, `local` parameters
+    (only this rank owns them) by division, `world` parameters (used outside the planned forward) over
+    every rank. `uses` counts the layers using each parameter: a shared one is final only at its
+    bucket's schedule `sync`, not at its first hook."""
 
     def __init__(
         self,
@@ -39,104 +40,209 @@ class GradSync:
         buckets: Sequence[Bucket],
         *,
         local: Sequence[str] = (),
-        unplanned: Sequence[str] = (),
+        world: Sequence[str] = (),
         uses: Mapping[str, int] | None = None,
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.params = params
         self.groups = groups
         self.world_size = world_size
-        self.buckets = list(buckets)
+        self.buckets = [Bucket(b.index, b.width, tuple(b.params)) for b in buckets]
         self.local = list(local)
-        self.unplanned = list(unplanned)
+        self.world = list(world)
         self.waiting = waiting
-        self.enabled = True
-        self._position = {bucket.index: i for i, bucket in enumerate(self.buckets)}
+        self.outside: set[str] = set()
+        self._uses = dict(uses or {})
+        self._fresh: set[str] = set()
+        self._reduced: set[str] = set()
+        self._set_aside: dict[str, torch.Tensor] = {}
+        self._in_flight: set[str] = set()
+        self._in_stage = False
+        self._armed = False
         self._missing: list[int] = []
         self._next = 0
-        self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
-        uses = uses or {}
-        hooked = [[name for name in bucket.params if uses.get(name, 1) == 1] for bucket in self.buckets]
-        self._hooks = [
-            self.params[name].register_post_accumulate_grad_hook(self._hook(i))
-            for i, names in enumerate(hooked)
-            for name in names
-        ]
-        # A bucket with a shared parameter also waits for one more event: its schedule `sync`.
-        self._expected = [
-            len(names) + (len(names) < len(bucket.params)) for names, bucket in zip(hooked, self.buckets)
-        ]
+        self._pending: list[tuple[dist.Work | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
+        self._hooks: dict[str, list[Any]] = {}
+        self.track_new_parameters()
 
-    def begin(self) -> None:
-        """Start a backward pass: nothing is final yet."""
-        self._missing = list(self._expected)
+    # ------------------------------------------------------------------------------ contributions
+    def track_new_parameters(self) -> None:
+        """Hook parameters that require grad and have no hook yet (unfrozen since, say)."""
+        for name, p in self.params.items():
+            if name not in self._hooks and p.requires_grad:
+                self._hooks[name] = [
+                    p.register_hook(self._before_accumulate(name)),
+                    p.register_post_accumulate_grad_hook(self._after_accumulate(name)),
+                ]
+
+    def _before_accumulate(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if name in self._in_flight:
+                raise RuntimeError(
+                    f"deeppool: a gradient for {name!r} arrived after its all-reduce started; the step made "
+                    "a backward through the planned forward after the one that synchronized gradients"
+                )
+            if not self._in_stage:
+                self.outside.add(name)
+            p = self.params[name]
+            if name in self._reduced and p.grad is not None:
+                self._set_aside[name] = p.grad.detach().clone()
+            self._reduced.discard(name)
+            self._fresh.add(name)
+
+        return hook
+
+    def _after_accumulate(self, name: str) -> Callable[[Any], None]:
+        def hook(_: Any) -> None:
+            if self._armed and self._uses.get(name, 1) == 1 and self._in_stage:
+                position = self._bucket_of.get(name)
+                if position is not None:
+                    self._missing[position] -= 1
+                    self._launch_ready()
+
+        return hook
+
+    @contextmanager
+    def in_stage(self) -> Iterator[None]:
+        """Gradients arriving inside come from the planned layers (others are used outside forward)."""
+        self._in_stage = True
+        try:
+            yield
+        finally:
+            self._in_stage = False
+
+    def fresh(self) -> set[str]:
+        return set(self._fresh)
+
+    # ------------------------------------------------------------------------ overlapped launches
+    def arm(self, armed: bool) -> None:
+        """Start a backward pass; if `armed`, it is the step's last: launch buckets as they complete."""
+        self._armed = armed
         self._next = 0
-
-    def _hook(self, position: int) -> Callable[[Any], None]:
-        def on_final(_: Any) -> None:
-            if not self.enabled or not self._missing:
-                return
-            self._missing[position] -= 1
-            self._launch_ready()
-
-        return on_final
-
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self._missing[self._next] == 0:
-            self._launch_next()
+        self._bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.params}
+        self._missing = [
+            sum(1 for n in b.params if self._uses.get(n, 1) == 1 and self.params[n].requires_grad)
+            + any(self._uses.get(n, 1) > 1 for n in b.params)
+            for b in self.buckets
+        ]
 
     def launch_through(self, bucket: Bucket) -> None:
-        """The schedule's `sync`: launch every bucket up to this one that is not launched yet."""
-        if not self.enabled or bucket.index not in self._position:
+        """The schedule's `sync`: in an armed pass, launch every bucket up to this one."""
+        if not self._armed:
             return
-        while self._next <= self._position[bucket.index]:
+        positions = [i for i, b in enumerate(self.buckets) if b.index == bucket.index]
+        if positions:
+            self._missing[positions[0]] = 0
+            while self._next <= positions[0]:
+                self._launch_next()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._missing[self._next] <= 0:
             self._launch_next()
 
     def _launch_next(self) -> None:
-        """Launch the next bucket in schedule order: the only way buckets are launched."""
-        self._launch(self.buckets[self._next])
+        bucket = self.buckets[self._next]
+        self._reduce(list(bucket.params), bucket.width)
         self._next += 1
 
-    def _launch(self, bucket: Bucket) -> None:
-        tensors = [self.params[name] for name in bucket.params]
-        for p in tensors:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in tensors if p.grad is not None]
-        # A lone contiguous gradient is reduced in place: large parameters get their own bucket,
-        # and copying tens of megabytes in and out costs as much as the all-reduce itself.
-        alone = len(grads) == 1 and grads[0].is_contiguous()
+    # ---------------------------------------------------------------------------------- syncing
+    def sync(self, only: Collection[str] | None = None) -> None:
+        """Reduce every fresh gradient (of `only`, if given) and wait: the optimizer may step."""
+        self._armed = False
+        chosen = self._fresh if only is None else self._fresh & set(only)
+        unknown = chosen - set(self._owned())
+        if unknown:
+            raise RuntimeError(
+                f"deeppool: parameters {sorted(unknown)[:5]} received gradients on rank {dist.get_rank()}, "
+                "which does not hold them: they were used outside the planned forward only after the first "
+                "step. Use every parameter the same way from the first training step on"
+            )
+        for bucket in self.buckets:
+            self._reduce([n for n in bucket.params if n in chosen], bucket.width)
+        self._reduce([n for n in self.world if n in chosen], self.world_size)
+        for name in self.local:
+            if name in chosen:
+                self._divide(name)
+        self._finish()
+
+    def _owned(self) -> list[str]:
+        return [*(n for b in self.buckets for n in b.params), *self.world, *self.local]
+
+    def _reduce(self, names: list[str], width: int) -> None:
+        names = [n for n in names if n in self._fresh]
+        if not names:
+            return
+        parts: list[tuple[str, torch.Tensor | None]] = []
+        grads = []
+        for name in names:
+            grad = self.params[name].grad
+            assert grad is not None
+            aside = self._set_aside.pop(name, None)
+            parts.append((name, aside))
+            grads.append(grad if aside is None else grad - aside)
+        alone = len(grads) == 1 and parts[0][1] is None and grads[0].is_contiguous()
+        # A lone large gradient is reduced in place: copying tens of megabytes in and out of a bucket
+        # costs as much as the all-reduce itself.
         flat = grads[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in grads])
         flat.div_(self.world_size)
-        work = dist.all_reduce(flat, group=self.groups[bucket.width], async_op=True)
-        assert work is not None
-        self._pending.append((work, flat, tensors))
+        work = dist.all_reduce(flat, group=self._group(width), async_op=True) if width > 1 else None
+        self._fresh.difference_update(names)
+        self._in_flight.update(names)
+        self._pending.append((work, flat, parts))
 
-    def finish(self) -> None:
-        """Wait for every launched bucket and scale the gradients that were not all-reduced."""
-        if not self.enabled:
-            return
-        if self.unplanned and self.world_size > 1:
-            self._launch(Bucket(-1, self.world_size, tuple(self.unplanned)))
-        for name in self.local:
-            grad = self.params[name].grad
-            if grad is not None:
-                grad.div_(self.world_size)
-        for work, flat, tensors in self._pending:
-            with self.waiting():
-                work.wait()
+    def _divide(self, name: str) -> None:
+        p = self.params[name]
+        assert p.grad is not None
+        aside = self._set_aside.pop(name, None)
+        if aside is None:
+            p.grad.div_(self.world_size)
+        else:
+            p.grad.sub_(aside).div_(self.world_size).add_(aside)
+        self._fresh.discard(name)
+        self._reduced.add(name)
+
+    def _group(self, width: int) -> dist.ProcessGroup | None:
+        return self.groups[width] if width in self.groups else None
+
+    def _finish(self) -> None:
+        for work, flat, parts in self._pending:
+            if work is not None:
+                with self.waiting():
+                    work.wait()
             offset = 0
-            for p in tensors:
-                n = p.numel()
+            for name, aside in parts:
+                p = self.params[name]
                 assert p.grad is not None
-                if p.grad.data_ptr() != flat.data_ptr():
-                    p.grad.copy_(flat[offset : offset + n].view_as(p))
+                n = p.numel()
+                reduced = flat[offset : offset + n].view_as(p)
+                if aside is not None:
+                    p.grad.copy_(reduced + aside)
+                elif p.grad.data_ptr() != flat.data_ptr():
+                    p.grad.copy_(reduced)
                 offset += n
+                self._in_flight.discard(name)
+                self._reduced.add(name)
         self._pending.clear()
-        self._missing = []
+
+    def reduce_over_world(self, names: Collection[str]) -> None:
+        """From now on reduce these parameters over every rank: they are used outside the planned
+        forward too, so every rank contributes to their gradients."""
+        chosen = set(names)
+        self.buckets = [Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets]
+        self.local = [n for n in self.local if n not in chosen]
+        self.world += [n for n in names if n not in self.world]
+
+    def drop(self, names: Collection[str]) -> None:
+        """Forget gradients of parameters this rank does not hold (never reduced here)."""
+        for name in names:
+            self.params[name].grad = None
+            self._fresh.discard(name)
+            self._set_aside.pop(name, None)
 
     def close(self) -> None:
         """Remove the gradient hooks."""
-        for handle in self._hooks:
-            handle.remove()
+        for handles in self._hooks.values():
+            for handle in handles:
+                handle.remove()
         self._hooks.clear()
+

@@ -2,7 +2,9 @@
 
 Forward runs each stage on ranks 0..width-1 with its inputs detached, so autograd never crosses a
 stage boundary. The model's outputs come back to the ranks that hold their samples through one
-autograd node whose backward walks the schedule's backward list: the same order on every rank.
+autograd node whose backward walks the schedule's backward list: the same order on every rank. That
+node also returns the gradients of the forward's tensor arguments when they require grad (trainable
+code before the planned module).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.planner.capture import CapturedGraph, ValueMeta, evaluate, propagate_meta
+from lightning_deeppool.capture import CapturedGraph, GuardError, ValueMeta
+from lightning_deeppool.capture.graph import value_meta
+from lightning_deeppool.capture.values import rows_view, samples_view
 from lightning_deeppool.planner.layout import balanced
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.idle import IdleWindows
@@ -35,7 +38,8 @@ class _Step:
     counts: tuple[int, ...]
     meta: dict[str, ValueMeta]
     training: bool
-    local_env: dict[str, Any]
+    local: dict[str, Any]
+    input_grads: dict[str, bool]
     values: dict[Key, Any] = field(default_factory=dict)
     leaves: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -59,9 +63,7 @@ class BurstRuntime:
         *,
         rank: int,
         device: torch.device,
-        groups: Mapping[int, dist.ProcessGroup],
-        params: Mapping[str, nn.Parameter],
-        unplanned: Sequence[str] = (),
+        grad_sync: GradSync,
         idle: IdleWindows | None = None,
         redistribution: dist.ProcessGroup | None = None,
     ) -> None:
@@ -70,27 +72,15 @@ class BurstRuntime:
         self.rank = rank
         self.world_size = schedule.world_size
         self.device = device
-        self.sync_gradients = True
+        self.grad_sync = grad_sync
         self.idle = idle or IdleWindows()
         self.redistribution = redistribution
         self.last_action: Action | None = None
+        self.keep_last_step = False
+        self.last_step: _Step | None = None
+        self._last_pass = False
         self._windows_in_action = 0
-        uses: dict[str, int] = {}
-        for names in captured.layer_params.values():
-            for name in names:
-                uses[name] = uses.get(name, 0) + 1
-        self.grad_sync = GradSync(
-            params,
-            groups,
-            self.world_size,
-            [bucket for bucket in schedule.buckets if rank < bucket.width],
-            local=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
-            unplanned=unplanned,
-            uses=uses,
-            waiting=self._idle_window,
-        )
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
-        self._output = next(n for n in captured.module.graph.nodes if n.op == "output")
         self._handlers: dict[str, Callable[[_Step, Action], None]] = {
             "forward": self._forward_stage,
             "send": self._send,
@@ -102,48 +92,80 @@ class BurstRuntime:
 
     # ----------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Drop-in replacement for the module's forward: same arguments, same outputs per rank."""
-        env = self.captured.bind(args, kwargs)
-        batch = {name: env[name] for name in self.captured.batch_inputs}
-        local_env = {name: env[name] for name in self.captured.local_inputs}
-        counts, meta = self._agree_on_batch(env, batch)
-        step = _Step(counts, meta, torch.is_grad_enabled(), local_env)
+        """Drop-in replacement for the module's forward: same arguments, same outputs per rank.
+        Collective: every rank must call it (the strategy makes sure of that)."""
+        inputs = self.captured.bind(args, kwargs)
+        batch = {name: inputs[name] for name in self.captured.batch_inputs}
+        local = {name: inputs[name] for name in self.captured.local_inputs}
+        training = torch.is_grad_enabled()
+        input_grads = {name: training and batch[name].requires_grad for name in batch}
+        counts, meta = self._agree_on_batch(batch, local, input_grads)
+        self.grad_sync.track_new_parameters()
+        step = _Step(counts, meta, training, local, input_grads)
         for name, value in batch.items():
             step.values[(name, self.world_size)] = value
         self._run(step, self.schedule.forward)
+        self.last_step = step if self.keep_last_step else None
         return self._outputs(step)
 
     def _agree_on_batch(
-        self, env: dict[str, Any], batch: dict[str, Any]
+        self, batch: dict[str, torch.Tensor], local: dict[str, Any], input_grads: dict[str, bool]
     ) -> tuple[tuple[int, ...], dict[str, ValueMeta]]:
-        """All-gather local sample counts and input signatures; every rank checks the same data."""
-        leaves = [
-            t for value in batch.values() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
-        ]
-        sizes = {t.shape[0] for t in leaves}
-        if len(sizes) > 1:
-            raise ValueError(f"batch inputs disagree on the number of samples: {sorted(sizes)}")
-        count = sizes.pop() if sizes else 0
-        signature = repr([(tuple(t.shape[1:]), t.dtype) for t in leaves])
+        """All-gather local sample counts and call signatures; every rank checks the same data."""
+        counts = {t.shape[0] for t in batch.values()}
+        if len(counts) > 1:
+            raise ValueError(f"batch inputs disagree on the number of samples: {sorted(counts)}")
+        count = counts.pop()
+        signature = repr(
+            (
+                [(tuple(t.shape[1:]), t.dtype) for t in batch.values()],
+                [v.tolist() if isinstance(v, torch.Tensor) else v for v in local.values()],
+                sorted(input_grads.items()),
+            )
+        )
+        guard = ""
+        try:
+            self.captured.run_guards(local)
+        except GuardError as err:
+            guard = str(err)
         digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
-        mine = torch.tensor([count, digest], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([count, digest, int(bool(guard))], dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         with self.idle.window("agree_on_batch"):
             dist.all_gather(gathered, mine, group=self.redistribution)
         rows = [tuple(int(x) for x in t.tolist()) for t in gathered]
+        if any(row[2] for row in rows):
+            failed = [rank for rank, row in enumerate(rows) if row[2]]
+            raise GuardError(guard or f"deeppool: a captured branch no longer holds on ranks {failed}")
         if len({row[1] for row in rows}) > 1:
             raise ValueError(
-                "ranks received inputs with different per-sample shapes or dtypes in the same step; "
-                "deeppool moves samples between ranks, so every rank's inputs must have the same "
-                f"per-sample shape (this rank: {signature})"
+                "ranks called the planned forward with different per-sample shapes, dtypes or arguments in "
+                "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
+                f"same per-sample shape (this rank: {signature})"
             )
-        counts = tuple(row[0] for row in rows)
-        device_type = self.device.type
-        autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        key = (signature, autocast)
+        captured = [(m.leaves[0].shape, m.leaves[0].dtype) for m in (self.captured.meta[n] for n in batch)]
+        if [(tuple(t.shape[1:]), t.dtype) for t in batch.values()] != captured:
+            raise ValueError(
+                f"the planned forward was captured for inputs of per-sample shapes and dtypes {captured}; this "
+                "step's inputs differ. The captured graph is specialized to them: pad inputs to a fixed shape"
+            )
+        key = (signature, torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
         if key not in self._meta:
-            self._meta[key] = propagate_meta(self.captured, env)
-        return counts, self._meta[key]
+            self._meta[key] = self._propagate_meta(batch, local)
+        return tuple(row[0] for row in rows), self._meta[key]
+
+    def _propagate_meta(self, batch: dict[str, torch.Tensor], local: dict[str, Any]) -> dict[str, ValueMeta]:
+        """Per-sample structure of every value under the current autocast state (which decides
+        dtypes), from two all-zero samples so every rank gets the same answer."""
+        zeros = {name: t.new_zeros((2, *t.shape[1:])) for name, t in batch.items()}
+        with torch.no_grad():
+            values = self.captured.run_all(zeros, 2, local)
+        meta = dict(self.captured.meta)
+        for layer in self.captured.graph.layers:
+            known = self.captured.meta[layer.name]
+            rows = [leaf.rows for leaf in known.leaves]
+            meta[layer.name] = value_meta(values[layer.name], known.per_rank, rows)
+        return meta
 
     def _run(self, step: _Step, actions: Sequence[Action]) -> None:
         for action in actions:
@@ -152,7 +174,7 @@ class BurstRuntime:
             with torch.profiler.record_function(f"deeppool:{action}"):
                 self._handlers[action.kind](step, action)
 
-    def _idle_window(self) -> AbstractContextManager[None]:
+    def idle_window(self) -> AbstractContextManager[None]:
         """An idle window keyed by its place in the schedule, which recurs every step."""
         self._windows_in_action += 1
         return self.idle.window((self.last_action, self._windows_in_action))
@@ -161,14 +183,11 @@ class BurstRuntime:
         stage = self.schedule.stages[action.number]
         if self.rank >= stage.width:
             return
-        env = dict(step.local_env)
-        for value in stage.inputs:
-            env[value] = self._stage_input(step, value, stage.width)
-        gm = self.captured.module
+        samples = step.layout(stage.width)[self.rank]
+        values = {value: self._stage_input(step, value, stage.width) for value in stage.inputs}
         for layer in stage.layers:
-            for node in self.captured.layer_nodes[layer]:
-                env[node.name] = evaluate(gm, node, env)
-        produced = {name: env[name] for name in stage.outputs}
+            values[layer] = self.captured.run_layer(layer, values, samples, step.local)
+        produced = {name: values[name] for name in stage.outputs}
         step.outputs[stage.index] = produced
         for name, value in produced.items():
             step.values[(name, stage.width)] = value
@@ -177,7 +196,7 @@ class BurstRuntime:
         """A value as a stage reads it: detached leaves that collect its gradient, cloned so that
         in-place layers cannot touch the leaves another stage reads."""
         current = step.values[(value, width)]
-        if not step.training or value in self.captured.batch_inputs:
+        if not step.training or (value in step.input_grads and not step.input_grads[value]):
             return current
         key = (value, width)
         if key not in step.leaves:
@@ -191,16 +210,13 @@ class BurstRuntime:
         src, dst = step.layout(action.src), step.layout(action.dst)
         if src[self.rank] == 0 and dst[self.rank] == 0:
             return
+        meta = step.meta[action.value]
         local = step.values.get((action.value, action.src))
         flat = pytree.tree_leaves(local) if local is not None else None
         with torch.no_grad():
-            moved = self._move(
-                step.meta[action.value], flat, src, dst, [True] * len(step.meta[action.value].leaves)
-            )
+            moved = self._move(meta, flat, src, dst, [True] * len(meta.leaves))
         if moved is not None:
-            step.values[(action.value, action.dst)] = pytree.tree_unflatten(
-                moved, step.meta[action.value].spec
-            )
+            step.values[(action.value, action.dst)] = pytree.tree_unflatten(moved, meta.spec)
 
     def _move(
         self,
@@ -218,28 +234,27 @@ class BurstRuntime:
                 continue
             local = flat[i] if flat is not None else None
             if local is not None:
-                local = local.detach()
-            moved.append(
-                redistribute(
-                    local,
-                    src,
-                    dst,
-                    rank=self.rank,
-                    sample_shape=leaf.shape,
-                    dtype=leaf.dtype,
-                    device=self.device,
-                    waiting=self._idle_window,
-                    group=self.redistribution,
-                )
+                local = samples_view(local.detach(), leaf)
+            result = redistribute(
+                local,
+                src,
+                dst,
+                rank=self.rank,
+                sample_shape=leaf.shape,
+                dtype=leaf.dtype,
+                device=self.device,
+                waiting=self.idle_window,
+                group=self.redistribution,
             )
+            moved.append(rows_view(result, leaf) if result is not None else None)
         return moved if dst[self.rank] > 0 else None
 
     def _outputs(self, step: _Step) -> Any:
-        names = list(dict.fromkeys(n.name for n in self._output.all_input_nodes))
+        names = self.captured.graph.outputs
         results = {name: step.values[(name, self.world_size)] for name in names}
         if step.training:
-            results = self._attach_backward(step, names, results)
-        return fx.node.map_arg(self._output.args[0], lambda n: results[n.name])
+            results = self._attach_backward(step, list(names), results)
+        return self.captured.forward_outputs(results, step.counts[self.rank], step.local)
 
     def _attach_backward(self, step: _Step, names: list[str], results: dict[str, Any]) -> dict[str, Any]:
         """Route every output through one autograd node whose backward runs the schedule."""
@@ -250,16 +265,24 @@ class BurstRuntime:
             flat, spec = pytree.tree_flatten(results[name])
             flats[name] = (list(flat), spec)
             for i, t in enumerate(flat):
-                if t.is_floating_point():
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
                     slots.append((name, i))
                     tensors.append(t.detach())
+        inputs = [name for name, wanted in step.input_grads.items() if wanted]
         anchor = torch.empty(0, requires_grad=True, device=self.device)
-        routed = _RunBackward.apply(self, step, slots, anchor, *tensors)
+        routed = _RunBackward.apply(
+            self, step, slots, inputs, anchor, *(step.values[(n, self.world_size)] for n in inputs), *tensors
+        )
         for (name, i), t in zip(slots, routed):
             flats[name][0][i] = t
         return {name: pytree.tree_unflatten(flat, spec) for name, (flat, spec) in flats.items()}
 
     # ---------------------------------------------------------------------------------- backward
+    def expect_last_pass(self, last: bool) -> None:
+        """Whether the next backward pass is the step's last before its gradients are synchronized:
+        only then may buckets launch during backward (nothing can be added to them after)."""
+        self._last_pass = last
+
     def backward(
         self, step: _Step, slots: Sequence[tuple[str, int]], grads: Sequence[torch.Tensor | None]
     ) -> None:
@@ -267,8 +290,8 @@ class BurstRuntime:
         for (name, i), grad in zip(slots, grads):
             if grad is not None:
                 _accumulate(step, (name, self.world_size), i, grad, len(step.meta[name].leaves))
-        self.grad_sync.enabled = self.sync_gradients
-        self.grad_sync.begin()
+        self.grad_sync.arm(self._last_pass)
+        self._last_pass = False
         self._run(step, self.schedule.backward)
 
     def _backward_stage(self, step: _Step, action: Action) -> None:
@@ -285,7 +308,8 @@ class BurstRuntime:
                     tensors.append(t)
                     grads.append(g)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self.grad_sync.in_stage():
+                torch.autograd.backward(tensors, grads)
         for value in stage.inputs:
             for i, leaf in enumerate(step.leaves.get((value, stage.width), ())):
                 if leaf.grad is not None:
@@ -294,6 +318,8 @@ class BurstRuntime:
                     leaf.grad = None
 
     def _send_grad(self, step: _Step, action: Action) -> None:
+        if action.value in step.input_grads and not step.input_grads[action.value]:
+            return
         src, dst = step.layout(action.dst), step.layout(action.src)
         if src[self.rank] == 0 and dst[self.rank] == 0:
             return
@@ -303,11 +329,7 @@ class BurstRuntime:
         flat: list[torch.Tensor | None] | None = None
         if src[self.rank] > 0:
             flat = [
-                (
-                    g
-                    if g is not None
-                    else torch.zeros((src[self.rank], *leaf.shape), dtype=leaf.dtype, device=self.device)
-                )
+                (g if g is not None else torch.zeros(leaf.tensor_shape(src[self.rank]), dtype=leaf.dtype, device=self.device))
                 if floating[i]
                 else None
                 for i, (leaf, g) in enumerate(zip(meta.leaves, pending or [None] * len(meta.leaves)))
@@ -322,7 +344,11 @@ class BurstRuntime:
         self.grad_sync.launch_through(self.schedule.buckets[action.number])
 
     def _wait(self, step: _Step, action: Action) -> None:
-        self.grad_sync.finish()
+        """End of the backward schedule; gradients are synchronized when the step asks for it."""
+
+    def input_grad(self, step: _Step, name: str) -> torch.Tensor | None:
+        pending = step.grads.pop((name, self.world_size), None)
+        return pending[0] if pending else None
 
     def close(self) -> None:
         """Detach from the module: remove gradient hooks."""
@@ -336,7 +362,8 @@ def _accumulate(step: _Step, key: Key, index: int, grad: torch.Tensor, count: in
 
 
 class _RunBackward(torch.autograd.Function):
-    """Identity on the outputs; its backward is the whole burst-parallel backward."""
+    """Identity on the outputs; its backward is the whole burst-parallel backward, and returns the
+    gradients of the forward's tensor arguments that require them."""
 
     @staticmethod
     def forward(
@@ -344,14 +371,25 @@ class _RunBackward(torch.autograd.Function):
         runtime: BurstRuntime,
         step: _Step,
         slots: list[tuple[str, int]],
+        inputs: list[str],
         anchor: torch.Tensor,
-        *outputs: torch.Tensor,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.runtime, ctx.step, ctx.slots = runtime, step, slots
-        return tuple(t.clone() for t in outputs)
+        ctx.runtime, ctx.step, ctx.slots, ctx.inputs = runtime, step, slots, inputs
+        return tuple(t.clone() for t in tensors[len(inputs) :])
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if ctx.step is None:
+            raise RuntimeError(
+                "deeppool: a second backward through the same planned forward (retain_graph=True) is not "
+                "supported; run the forward again for each backward"
+            )
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "deeppool: double backward (create_graph=True) through the planned forward is not supported"
+            )
         ctx.runtime.backward(ctx.step, ctx.slots, grads)
+        input_grads = [ctx.runtime.input_grad(ctx.step, name) for name in ctx.inputs]
         ctx.step = None
-        return (None,) * (4 + len(grads))
+        return (None, None, None, None, None, *input_grads, *([None] * len(grads)))

@@ -148,8 +148,8 @@ def lower_backward(
     ready_after: Mapping[int, Sequence[int]],
 ) -> list[Action]:
     """Reverse of `forward`: each `send` becomes a `send_grad` placed after the backward of the last
-    stage (in reverse order) that read the value at that width; buckets sync once ready."""
-    input_names = {i.name for i in graph.inputs}
+    stage (in reverse order) that read the value at that width; buckets sync once ready. Gradients of
+    graph inputs move back only in steps whose inputs require grad (the runtime skips them otherwise)."""
     last_reader: dict[tuple[str, int], int] = {}
     for stage in stages:
         for value in stage.inputs:
@@ -157,7 +157,7 @@ def lower_backward(
     grads_after: dict[int, list[Action]] = {}
     output_grads: list[Action] = []
     for action in forward:
-        if action.kind != "send" or action.value in input_names:
+        if action.kind != "send":
             continue
         grad = Action("send_grad", value=action.value, src=action.src, dst=action.dst)
         reader = last_reader.get((action.value, action.dst))

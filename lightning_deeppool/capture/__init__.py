@@ -1,0 +1,137 @@
+"""Capture: the planned module's forward as a graph of layers, shared by the planner and the runtime.
+
+`capture_graph` runs the forward once as it is, then captures it with `torch.export` (symbolic batch
+size; Hugging Face models take their export-friendly paths), falling back to recording the torch calls
+of real runs (`record`) where export fails or `leaf_modules` are given. The trace is cut into layers
+(`layers`) and checked (`check`): replayed layer by layer it must reproduce forward, and no layer may
+mix samples. Anything that cannot be proven is refused with a `CaptureError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.capture.check import check_per_sample, check_replay
+from lightning_deeppool.capture.export import trace_with_export
+from lightning_deeppool.capture.graph import (
+    CallSignature,
+    CapturedGraph,
+    call_mapping,
+    evaluate,
+    preserved,
+)
+from lightning_deeppool.capture.layers import cut_into_layers
+from lightning_deeppool.capture.record import GuardError, trace_by_recording
+from lightning_deeppool.capture.trace import CaptureError, Trace
+from lightning_deeppool.capture.values import LeafMeta, ValueMeta, repeat_first_sample
+
+__all__ = [
+    "CaptureError",
+    "CapturedGraph",
+    "GuardError",
+    "LeafMeta",
+    "ValueMeta",
+    "capture_graph",
+    "evaluate",
+    "repeat_first_sample",
+]
+
+
+def capture_graph(
+    module: nn.Module,
+    example_args: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    leaf_modules: Sequence[str] = (),
+) -> CapturedGraph:
+    """Capture ``type(module).forward`` on an example batch and cut it into layers.
+
+    Tensor arguments are batches (dimension 0 is the sample); other arguments are constants of the
+    capture. Raises `CaptureError` naming the construct that failed and what to do.
+    """
+    signature = inspect.signature(type(module).forward.__get__(module))
+    mapping = call_mapping(signature, example_args, example_kwargs or {})
+    _check_arguments(module, mapping)
+    try:
+        with torch.enable_grad(), preserved(module):
+            outputs = type(module).forward(module, **mapping)
+    except Exception as err:
+        raise CaptureError(f"running {type(module).__name__}.forward on the example batch failed: {err}") from err
+    _check_outputs(module, outputs)
+    trace = _trace(module, mapping, leaf_modules)
+    call = CallSignature(
+        signature=signature,
+        spec=trace.input_spec,
+        constants=tuple(trace.constants),
+        names=tuple(trace.leaf_names),
+    )
+    captured = cut_into_layers(trace, call)
+    check_replay(captured, module, mapping)
+    check_per_sample(captured, module, mapping)
+    return captured
+
+
+def _trace(module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str]) -> Trace:
+    if leaf_modules:
+        return _record(module, mapping, leaf_modules, None)
+    try:
+        with torch.enable_grad(), preserved(module):
+            return trace_with_export(module, mapping)
+    except CaptureError:
+        raise
+    except Exception as err:  # export's many failure types: fall back to recording
+        return _record(module, mapping, leaf_modules, err)
+
+
+def _record(
+    module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str], export_error: Exception | None
+) -> Trace:
+    for name in leaf_modules:
+        try:
+            module.get_submodule(name)
+        except AttributeError:
+            raise CaptureError(f"leaf_modules names {name!r}, which is not a submodule of the planned module") from None
+    try:
+        with torch.enable_grad(), preserved(module):
+            return trace_by_recording(module, mapping, leaf_modules)
+    except CaptureError as err:
+        if export_error is None:
+            raise
+        first = str(export_error).strip().splitlines()[0] if str(export_error).strip() else type(export_error).__name__
+        raise CaptureError(f"{err}\n(torch.export failed first: {type(export_error).__name__}: {first})") from err
+
+
+def _check_arguments(module: nn.Module, mapping: dict[str, Any]) -> None:
+    leaves = [leaf for leaf in pytree.tree_leaves(mapping) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not leaves:
+        raise CaptureError(
+            f"{type(module).__name__}.forward receives no tensor with a batch dimension; deeppool splits the "
+            "tensor arguments of forward by their first dimension"
+        )
+    sizes = {leaf.shape[0] for leaf in leaves}
+    if len(sizes) > 1:
+        raise CaptureError(
+            f"the tensor arguments of {type(module).__name__}.forward disagree on the number of samples "
+            f"({sorted(sizes)}): deeppool treats dimension 0 of every tensor argument as the batch"
+        )
+
+
+def _check_outputs(module: nn.Module, outputs: Any) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
+        if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, int | float | bool | str):
+            continue
+        hint = (
+            " For Hugging Face models, turn the cache off for training: model.config.use_cache = False."
+            if type(leaf).__name__.endswith("Cache")
+            else ""
+        )
+        raise CaptureError(
+            f"{type(module).__name__}.forward returns a {type(leaf).__name__} at {pytree.keystr(path) or 'the top'}, "
+            f"which deeppool cannot split by sample; return tensors (or tuples, lists and dicts of them).{hint}"
+        )

@@ -1,0 +1,211 @@
+"""Capture with `torch.export` (non-strict): symbolic shapes, loud failures on data-dependent code.
+
+The batch dimension of every tensor argument is one symbolic size; export runs the Python and records
+ATen operations with `nn_module_stack` metadata. The exported program is rewritten into a `Trace`:
+parameters and buffers become ``get_attr`` nodes of the planned module, symbolic integers become
+`affine` nodes of ``batch_size``, buffer reassignments become in-place copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import sympy
+import torch
+from torch import fx, nn
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.capture.trace import (
+    BATCH_SIZE,
+    CaptureError,
+    Leaf,
+    ModuleCall,
+    Trace,
+    affine,
+    graph_module,
+    input_names,
+    is_batch_input,
+)
+
+_DROPPED = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+def trace_with_export(module: nn.Module, mapping: dict[str, Any]) -> Trace:
+    """Export ``module(**mapping)`` with a symbolic batch size and rewrite it as a `Trace`."""
+    batch = Dim("batch", min=1)
+    dynamic = {
+        name: pytree.tree_map(lambda leaf: {0: batch} if is_batch_input(leaf) else None, value)
+        for name, value in mapping.items()
+    }
+    with _quiet():
+        program = torch.export.export(module, (), mapping, dynamic_shapes=dynamic, strict=False)
+    return _rewrite(program, mapping)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Export prints partial graphs and warnings when it fails; a failure here only means falling back."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith("torch")]
+    loggers = [logging.getLogger(name) for name in names]
+    disabled = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, flag in zip(loggers, disabled):
+            logger.disabled = flag
+
+
+def _rewrite(program: ExportedProgram, mapping: dict[str, Any]) -> Trace:
+    named, input_spec = input_names(mapping)
+    tensor_names = [name for name, leaf in named if isinstance(leaf, torch.Tensor)]
+    placed: dict[str, str] = {}
+    old = program.graph_module.graph
+    graph = fx.Graph()
+    attrs: dict[str, Any] = {}
+    buffers: set[str] = set()
+    env: dict[fx.Node, Any] = {}
+    batch_node = graph.placeholder(BATCH_SIZE)
+    placeholders = {n.name: n for n in old.nodes if n.op == "placeholder"}
+    user = iter(tensor_names)
+    symbol = None
+    for spec in program.graph_signature.input_specs:
+        if not isinstance(spec.arg, TensorArgument):
+            continue  # a constant argument: export baked its value in
+        node = placeholders[spec.arg.name]
+        if spec.kind == InputKind.USER_INPUT:
+            name = next(user)
+            env[node] = graph.placeholder(name)
+            placed[name] = env[node].name
+            shape = node.meta["val"].shape
+            if shape and isinstance(shape[0], torch.SymInt):
+                symbol = shape[0].node.expr
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            target = spec.target if spec.kind != InputKind.CONSTANT_TENSOR else f"_deeppool_constant_{len(attrs)}"
+            attrs[target] = _state(program, spec.target)
+            if spec.kind == InputKind.BUFFER:
+                buffers.add(target)
+            env[node] = graph.get_attr(target)
+        else:
+            raise CaptureError(f"torch.export produced an input of kind {spec.kind.name}, which deeppool cannot run")
+        env[node].meta = dict(node.meta)
+    if symbol is None:
+        raise CaptureError("forward takes no tensor with a batch dimension: there is nothing to split by sample")
+    for node in old.nodes:
+        if node.op in ("placeholder", "output") or node.target in _DROPPED:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+            env[node] = _integer(graph, batch_node, value, symbol, node)
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node].meta = dict(node.meta)
+    output = next(n for n in old.nodes if n.op == "output")
+    results = list(output.args[0])
+    user_outputs = []
+    for spec, result in zip(program.graph_signature.output_specs, results):
+        value = env[result] if isinstance(result, fx.Node) else result
+        if spec.kind == OutputKind.USER_OUTPUT:
+            user_outputs.append(value)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            target = graph.get_attr(spec.target)
+            copy = graph.call_function(torch.Tensor.copy_, (target, value))
+            copy.meta = dict(result.meta) if isinstance(result, fx.Node) else {}
+        else:
+            raise CaptureError(
+                f"forward modifies its input in place ({spec.kind.name}); deeppool moves inputs between "
+                "ranks, so forward must not write into its arguments"
+            )
+    graph.output(user_outputs)
+    gm = graph_module(attrs, graph, buffers)
+    return Trace(
+        gm=gm,
+        inputs=[placed[name] for name in tensor_names],
+        input_spec=input_spec,
+        leaf_names=[placed.get(name) if isinstance(leaf, torch.Tensor) else None for name, leaf in named],
+        constants=[None if isinstance(leaf, torch.Tensor) else leaf for _, leaf in named],
+        output_spec=program.call_spec.out_spec,
+        leaves={n.name: _leaves(n.meta.get("val"), symbol, n) for n in gm.graph.nodes},
+        stacks={n.name: _stack(n.meta.get("nn_module_stack")) for n in gm.graph.nodes},
+        tracer="export",
+    )
+
+
+def _state(program: ExportedProgram, target: str) -> Any:
+    if target in program.state_dict:
+        return program.state_dict[target]
+    return program.constants[target]
+
+
+def _integer(graph: fx.Graph, batch_node: fx.Node, value: Any, symbol: Any, node: fx.Node) -> Any:
+    """An integer node of the exported graph as an `affine` node of the batch size (or a constant)."""
+    expr = sympy.sympify(value.node.expr)
+    if expr.free_symbols - {symbol}:
+        raise CaptureError(
+            f"node {node.name!r} computes a size from data ({expr}); deeppool needs shapes that depend only "
+            "on the batch size. Move data-dependent code into training_step"
+        )
+    poly = sympy.Poly(expr, symbol) if expr.free_symbols else None
+    if poly is None:
+        return int(expr)
+    if poly.degree() > 1 or not all(c.is_integer for c in poly.all_coeffs()):
+        raise CaptureError(
+            f"node {node.name!r} computes {expr} from the batch size {symbol}; deeppool splits the batch "
+            "and can only rescale sizes that grow linearly with it"
+        )
+    coeffs = [int(c) for c in poly.all_coeffs()]
+    scale, offset = (coeffs[0], coeffs[1]) if len(coeffs) == 2 else (0, coeffs[0])
+    new = graph.call_function(affine, (batch_node, scale, offset))
+    new.meta = dict(node.meta)
+    return new
+
+
+def _leaves(value: Any, symbol: Any, node: fx.Node) -> tuple[Leaf | None, ...]:
+    return tuple(_leaf(leaf, symbol, node) for leaf in pytree.tree_leaves(value))
+
+
+def _leaf(value: Any, symbol: Any, node: fx.Node) -> Leaf | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    shape, batch_dims, rows = [], [], 1
+    for dim, size in enumerate(value.shape):
+        if isinstance(size, torch.SymInt):
+            expr = sympy.sympify(size.node.expr)
+            scale = sympy.Poly(expr, symbol).all_coeffs() if expr.free_symbols == {symbol} else []
+            if len(scale) != 2 or scale[1] != 0 or not scale[0].is_integer:
+                raise CaptureError(
+                    f"node {node.name!r} has a dimension of size {expr}; deeppool can only split "
+                    "dimensions whose size is a multiple of the batch size"
+                )
+            rows = int(scale[0])
+            batch_dims.append(dim)
+            shape.append(rows)
+        else:
+            shape.append(int(size))
+    return Leaf(value.dtype, tuple(shape), tuple(batch_dims), rows)
+
+
+def _stack(meta: dict[str, tuple[str, Any]] | None) -> tuple[ModuleCall, ...]:
+    if not meta:
+        return ()
+    calls = []
+    for key, (path, _) in meta.items():
+        if not path:
+            continue
+        _, _, index = key.rpartition("@")
+        calls.append(ModuleCall(path, int(index) if "@" in key and index.isdigit() else 0))
+    return tuple(calls)
+
+

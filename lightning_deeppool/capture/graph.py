@@ -1,0 +1,244 @@
+"""The captured forward cut into layers: what the planner, the profiler and the runtime share.
+
+A layer is a run of graph nodes that reads batch values (graph inputs or other layers' values) and
+produces one value: the tuple of its nodes that later layers or the forward's return read. Nodes that
+do not depend on the batch's data (masks, position tables, shape arithmetic) are *auxiliary*: each
+layer evaluates the ones it needs, with its own number of samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
+from lightning_deeppool.capture.values import LeafMeta, ValueMeta
+from lightning_deeppool.planner.graph import LayerGraph
+
+
+@dataclass(frozen=True)
+class LayerCode:
+    """How to evaluate one layer: `nodes` in graph order (auxiliary ones included), the nodes whose
+    values make up its value (`outputs`), and for each layer or input it reads, the nodes it needs
+    from that value (`reads`)."""
+
+    nodes: tuple[fx.Node, ...]
+    outputs: tuple[str, ...]
+    reads: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """How a call's arguments become graph inputs: bind to `signature`, flatten, match `spec` and the
+    non-tensor leaves (`constants`) the forward was captured with."""
+
+    signature: inspect.Signature
+    spec: pytree.TreeSpec
+    constants: tuple[Any, ...]
+    names: tuple[str | None, ...]  # per leaf: its graph input, None for non-tensor leaves
+
+    def mapping(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        return call_mapping(self.signature, args, kwargs)
+
+
+@dataclass
+class CapturedGraph:
+    """A captured forward cut into layers (see the module docstring).
+
+    `module` holds the graph; its parameters and buffers are the planned module's own tensors.
+    `batch_inputs` are the graph inputs that carry the batch (dimension 0), `local_inputs` the 0-d
+    tensor arguments every layer receives as they are. `meta[name]` describes each layer's value and
+    each batch input, as seen on the example batch. `guards` are checks of captured branches, run once
+    per call.
+    """
+
+    module: fx.GraphModule
+    graph: LayerGraph
+    code: dict[str, LayerCode]
+    layer_params: dict[str, list[str]]
+    batch_inputs: list[str]
+    local_inputs: list[str]
+    meta: dict[str, ValueMeta]
+    call: CallSignature
+    outputs: list[Any]
+    output_spec: pytree.TreeSpec
+    tracer: str
+    guards: tuple[fx.Node, ...] = ()
+    stochastic: bool = False
+    batch_statistics: bool = False
+    _guard_nodes: tuple[fx.Node, ...] = field(default=(), repr=False)
+
+    @property
+    def layer_nodes(self) -> dict[str, list[fx.Node]]:
+        return {name: list(code.nodes) for name, code in self.code.items()}
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Graph inputs of a call: ``{input name: tensor}``. Raises ValueError naming what differs
+        from the captured call (structure or a non-tensor argument)."""
+        mapping = self.call.mapping(args, kwargs)
+        leaves, spec = pytree.tree_flatten(mapping)
+        if spec != self.call.spec:
+            raise ValueError(
+                f"forward was captured for arguments structured as {self.call.spec} and is now called with "
+                f"{spec}; deeppool replays the captured forward, so every call must pass the same arguments"
+            )
+        env = {}
+        for leaf, expected, name in zip(leaves, self.call.constants, self.call.names):
+            if name is not None:
+                if not isinstance(leaf, torch.Tensor):
+                    raise ValueError(f"forward argument {name!r} was a tensor at capture and is now {leaf!r}")
+                env[name] = leaf
+            elif leaf is not expected and leaf != expected:
+                raise ValueError(
+                    f"forward was captured with the argument value {expected!r} and is now called with "
+                    f"{leaf!r}; deeppool replays the captured forward, so non-tensor arguments must not change"
+                )
+        return env
+
+    def run_layer(self, name: str, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> Any:
+        """Evaluate layer `name` on `values` (the values of the layers and inputs it reads) for
+        `batch_size` samples; returns its value (a tuple of its output nodes' values)."""
+        code = self.code[name]
+        env: dict[str, Any] = {BATCH_SIZE: batch_size, **local}
+        for source, nodes in code.reads:
+            unpack(self, source, values[source], env, nodes)
+        for node in code.nodes:
+            env[node.name] = evaluate(self.module, node, env)
+        return tuple(env[output] for output in code.outputs)
+
+    def run_guards(self, local: Mapping[str, Any]) -> None:
+        """Check the branches the forward took at capture still hold (raises `GuardError`)."""
+        env: dict[str, Any] = {BATCH_SIZE: 1, **local}
+        for node in self._guard_nodes:
+            env[node.name] = evaluate(self.module, node, env)
+
+    def forward_outputs(self, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> Any:
+        """The forward's return value from the values of the layers and inputs it returns."""
+        env: dict[str, Any] = {BATCH_SIZE: batch_size, **local}
+        for name in self.graph.outputs:
+            unpack(self, name, values[name], env)
+        aux = _closure(self.outputs, env)
+        for node in aux:
+            env[node.name] = evaluate(self.module, node, env)
+        leaves = [env[leaf.name] if isinstance(leaf, fx.Node) else leaf for leaf in self.outputs]
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+    def run_all(self, inputs: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> dict[str, Any]:
+        """Every layer's value, evaluated in order on one device (the reference of the plan)."""
+        values: dict[str, Any] = dict(inputs)
+        for layer in self.graph.layers:
+            values[layer.name] = self.run_layer(layer.name, values, batch_size, local)
+        return values
+
+
+def unpack(
+    captured: CapturedGraph, source: str, value: Any, env: dict[str, Any], nodes: Sequence[str] | None = None
+) -> None:
+    """Put the node values a layer's value (or a graph input) holds into `env`."""
+    if source not in captured.code:
+        env[source] = value
+        return
+    for output, part in zip(captured.code[source].outputs, value):
+        if nodes is None or output in nodes:
+            env[output] = part
+
+
+def _closure(leaves: Sequence[Any], env: Mapping[str, Any]) -> list[fx.Node]:
+    """Nodes not in `env` that the given output leaves need, in graph order."""
+    found: dict[fx.Node, None] = {}
+    stack = [leaf for leaf in leaves if isinstance(leaf, fx.Node) and leaf.name not in env]
+    while stack:
+        node = stack.pop()
+        if node in found or node.name in env:
+            continue
+        found[node] = None
+        stack.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(next(iter(found)).graph.nodes)} if found else {}
+    return sorted(found, key=order.__getitem__)
+
+
+def evaluate(module: fx.GraphModule, node: fx.Node, env: Mapping[str, Any]) -> Any:
+    """Run one node with its arguments looked up in `env` (by node name)."""
+    args = fx.node.map_arg(node.args, lambda n: env[n.name])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+    target = node.target
+    if node.op == "get_attr":
+        return fetch_attr(module, str(target))
+    if node.op == "call_module":
+        call: Any = module.get_submodule(str(target))
+    elif node.op == "call_function" and callable(target):
+        call = target
+    else:
+        raise ValueError(f"cannot evaluate fx node {node.name!r} with op {node.op!r}")
+    if node.meta.get("no_grad"):
+        with torch.no_grad():
+            return call(*args, **kwargs)
+    return call(*args, **kwargs)
+
+
+def fetch_attr(module: nn.Module, target: str) -> Any:
+    return functools.reduce(getattr, target.split("."), module)
+
+
+def call_mapping(signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Arguments by parameter name, defaults filled in, ``**kwargs`` merged into the mapping."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"arguments do not match forward{signature}: {err}") from None
+    bound.apply_defaults()
+    mapping: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            mapping.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise CaptureError(f"forward takes *{name}; deeppool needs forward arguments passed by name")
+        else:
+            mapping[name] = value
+    return mapping
+
+
+@contextmanager
+def preserved(module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
+    """Run code on `module` that must leave no trace: training flags, buffers and RNG are restored."""
+    flags = {m: m.training for m in module.modules()}
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    devices = [device] if device is not None and device.type == "cuda" else []
+    device_type = device.type if device is not None else "cpu"
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device_type):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def value_meta(value: Any, per_rank: bool = False, rows: Sequence[int] | None = None) -> ValueMeta:
+    """Structure of a value evaluated at any number of samples (rows per sample per leaf)."""
+    leaves, spec = pytree.tree_flatten(value)
+    metas = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(f"a value between layers holds {type(leaf).__name__}, not only tensors")
+        r = rows[i] if rows is not None else 1
+        if per_rank:
+            metas.append(LeafMeta(tuple(leaf.shape), leaf.dtype))
+        elif r == 1:
+            metas.append(LeafMeta(tuple(leaf.shape[1:]), leaf.dtype))
+        else:
+            metas.append(LeafMeta((r, *leaf.shape[1:]), leaf.dtype, r))
+    return ValueMeta(spec, tuple(metas), per_rank)

@@ -1,0 +1,332 @@
+"""Cut a `Trace` into layers: the units the planner gives widths to.
+
+Nodes that depend on the batch's data are grouped by the innermost submodule call that ran them (nodes
+of the forward itself, outside any submodule, are a layer each), in execution order. Values that cross
+from one layer to the next must carry the batch first (or be a per-rank reduction read only at full
+width); layers that exchange anything else, such as a sequence-first tensor, are merged. Auxiliary nodes
+(independent of the data) are evaluated by each layer that needs them; in-place updates of buffers run
+once, in the layer of the submodule that makes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode
+from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError, Leaf, Trace, describe, where
+from lightning_deeppool.capture.values import LeafMeta, ValueMeta
+from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
+
+_BATCH_STATISTICS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
+_RANDOM = {"dropout", "bernoulli", "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randperm",
+           "native_dropout", "feature_dropout", "alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+           "multinomial", "normal", "uniform_", "normal_", "scaled_dot_product_attention"}  # fmt: skip
+
+
+def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
+    """The layers of a trace; raises `CaptureError` for values that cannot be split by sample."""
+    graph = trace.gm.graph
+    _drop_dead_code(graph)
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    batch_inputs = [n for n in trace.inputs if trace.leaves[n] and trace.leaves[n][0] and trace.leaves[n][0].batch_dims]
+    local_inputs = [n for n in trace.inputs if n not in batch_inputs]
+    tainted = _tainted(graph, batch_inputs)
+    kinds = {n.name: _kind(trace.leaves[n.name]) if n.name in tainted else "aux" for n in nodes}
+    for name in batch_inputs:
+        kinds[name] = "batch"
+    _check_flows(graph, kinds)
+    units = _units(trace, [n for n in nodes if n.name in tainted])
+    units = _merge_units(units, kinds, graph)
+    names = _unit_names(trace, units, set(trace.inputs))
+    owner = {node.name: name for name, unit in zip(names, units) for node in unit}
+    effects = _effects(trace, nodes, tainted, units, names)
+    output = next(n for n in graph.nodes if n.op == "output")
+    code: dict[str, LayerCode] = {}
+    layers: list[Layer] = []
+    meta: dict[str, ValueMeta] = {name: _input_meta(trace.leaves[name][0]) for name in batch_inputs}
+    params = dict(trace.gm.named_parameters())
+    counted: set[str] = set()
+    layer_params: dict[str, list[str]] = {}
+    for name, unit in zip(names, units):
+        own = [*unit, *effects.get(name, [])]
+        own_set = set(own)
+        outputs = [
+            n.name for n in unit
+            if any(user not in own_set and (user.op == "output" or user.name in owner) for user in n.users)
+        ]  # fmt: skip
+        reads: dict[str, dict[str, None]] = {}
+        for n in own:
+            for source in n.all_input_nodes:
+                if source in own_set or source.name not in kinds or kinds[source.name] == "aux":
+                    continue
+                producer = owner.get(source.name, source.name)
+                reads.setdefault(producer, {})[source.name] = None
+        closure = _closure(own, tainted)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        evaluated = tuple(sorted({*closure, *own}, key=order.__getitem__))
+        code[name] = LayerCode(evaluated, tuple(outputs), tuple((k, tuple(v)) for k, v in reads.items()))
+        used = _parameters_used(trace.gm, evaluated)
+        fresh = [p for p in used if p not in counted]
+        counted.update(fresh)
+        layer_params[name] = used
+        per_rank = any(kinds[n.name] == "per_rank" for n in unit)
+        meta[name] = _layer_meta(trace, outputs, per_rank)
+        module = unit[0].meta.get("deeppool_unit")
+        layers.append(
+            Layer(
+                name=name,
+                op="call_module" if module else "call_function",
+                target=module or describe(unit[0]).split(" ", 1)[1],
+                inputs=tuple(reads),
+                sample_bytes=meta[name].sample_bytes,
+                params=sum(params[p].numel() for p in fresh),
+                param_bytes=sum(params[p].numel() * params[p].element_size() for p in fresh),
+                per_rank=per_rank,
+            )
+        )
+    output_leaves = list(output.args[0])
+    sources = {owner.get(leaf.name, leaf.name) for leaf in output_leaves if isinstance(leaf, fx.Node) and leaf.name in kinds and kinds[leaf.name] != "aux"}
+    for leaf in output_leaves:
+        if isinstance(leaf, fx.Node) and kinds.get(leaf.name) == "internal":
+            raise CaptureError(
+                f"forward returns {leaf.name!r} ({describe(leaf)}){where(leaf)}, whose batch dimension is not "
+                "dimension 0 (or which mixes batch and other values); deeppool returns outputs to the ranks "
+                "holding their samples, so return tensors with the batch dimension first"
+            )
+    layer_graph = LayerGraph(
+        inputs=tuple(GraphInput(name, meta[name].sample_bytes) for name in batch_inputs),
+        layers=tuple(layers),
+        outputs=tuple(s for s in [*batch_inputs, *names] if s in sources),
+    )
+    guards = _closure([trace.node(g) for g in trace.guards], tainted)
+    targets = {_target_name(n) for n in nodes}
+    return CapturedGraph(
+        module=trace.gm,
+        graph=layer_graph,
+        code=code,
+        layer_params=layer_params,
+        batch_inputs=batch_inputs,
+        local_inputs=local_inputs,
+        meta=meta,
+        call=call,
+        outputs=output_leaves,
+        output_spec=trace.output_spec,
+        tracer=trace.tracer,
+        stochastic=bool(targets & _RANDOM),
+        batch_statistics=bool(targets & _BATCH_STATISTICS),
+        _guard_nodes=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=list(graph.nodes).index)),
+    )
+
+
+def _tainted(graph: fx.Graph, batch_inputs: Sequence[str]) -> set[str]:
+    """Nodes whose value depends on the batch's data (not only on its size)."""
+    tainted = set(batch_inputs)
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "output") and any(i.name in tainted for i in node.all_input_nodes):
+            tainted.add(node.name)
+    return tainted
+
+
+def _kind(leaves: tuple[Leaf | None, ...]) -> str:
+    """'batch' (every leaf a batch-first tensor), 'per_rank' (tensors without a batch dimension: a
+    reduction over the rank's samples) or 'internal' (anything else: must stay inside one layer)."""
+    if not leaves or any(leaf is None for leaf in leaves):
+        return "internal"
+    dims = {leaf.batch_dims for leaf in leaves if leaf is not None}
+    if dims == {(0,)}:
+        return "batch"
+    if dims == {()}:
+        return "per_rank"
+    return "internal"
+
+
+def _check_flows(graph: fx.Graph, kinds: dict[str, str]) -> None:
+    for node in graph.nodes:
+        if kinds.get(node.name) != "batch" or node.op == "placeholder":
+            continue
+        for source in node.all_input_nodes:
+            if kinds.get(source.name) == "per_rank":
+                raise CaptureError(
+                    f"node {node.name!r} ({describe(node)}){where(node)} combines per-sample values with "
+                    f"{source.name!r}, a reduction over the batch: it mixes samples, which deeppool cannot "
+                    "split across devices. Compute batch statistics in training_step instead"
+                )
+
+
+def _units(trace: Trace, tainted: list[fx.Node]) -> list[list[fx.Node]]:
+    """Maximal runs of data-dependent nodes in the same innermost submodule call."""
+    units: list[list[fx.Node]] = []
+    last: Any = None
+    for node in tainted:
+        stack = trace.stacks.get(node.name, ())
+        key = stack[-1] if stack else ("node", node.name)
+        node.meta["deeppool_unit"] = stack[-1].path if stack else None
+        if units and key == last:
+            units[-1].append(node)
+        else:
+            units.append([node])
+        last = key
+    return units
+
+
+def _merge_units(units: list[list[fx.Node]], kinds: dict[str, str], graph: fx.Graph) -> list[list[fx.Node]]:
+    """Merge the units between a producer and its consumers where the value between them cannot cross."""
+    index = {node.name: i for i, unit in enumerate(units) for node in unit}
+    spans = []
+    for i, unit in enumerate(units):
+        for node in unit:
+            consumers = [index[u.name] for u in node.users if u.name in index]
+            crossing = consumers and max(consumers) > i
+            if not crossing:
+                continue
+            users_kinds = {kinds[u.name] for u in node.users if u.name in index}
+            blocked = kinds[node.name] == "internal" or (kinds[node.name] == "per_rank" and users_kinds - {"per_rank"})
+            if blocked:
+                spans.append((i, max(consumers)))
+    if not spans:
+        return units
+    merged: list[list[fx.Node]] = []
+    spans.sort()
+    cover: dict[int, int] = {}
+    for lo, hi in spans:
+        for j in range(lo, hi + 1):
+            cover[j] = max(cover.get(j, j), hi)
+    i = 0
+    while i < len(units):
+        end = i
+        while end in cover and cover[end] > end:
+            end = cover[end]
+        group = [node for unit in units[i : end + 1] for node in unit]
+        merged.append(group)
+        i = end + 1
+    return merged
+
+
+def _unit_names(trace: Trace, units: list[list[fx.Node]], taken: set[str]) -> list[str]:
+    names = []
+    for unit in units:
+        module = unit[0].meta.get("deeppool_unit")
+        base = module.replace(".", "_") if module else unit[0].name
+        base = f"_{base}" if base[0].isdigit() else base
+        name, n = base, 1
+        while name in taken:
+            name, n = f"{base}_{n}", n + 1
+        taken.add(name)
+        names.append(name)
+    return names
+
+
+def _effects(
+    trace: Trace, nodes: list[fx.Node], tainted: set[str], units: list[list[fx.Node]], names: list[str]
+) -> dict[str, list[fx.Node]]:
+    """In-place updates of parameters, buffers or constants that no layer's data reaches (a counter's
+    ``add_``): each runs once, in the layer of the same submodule call, else in the next layer."""
+    position = {n: i for i, n in enumerate(nodes)}
+    first = [position[unit[0]] for unit in units]
+    effects: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        if node.name in tainted or not _mutates_state(node):
+            continue
+        stack = trace.stacks.get(node.name, ())
+        same = [i for i, unit in enumerate(units) if stack and unit[0].meta.get("deeppool_unit") == stack[-1].path]
+        later = [i for i, start in enumerate(first) if start > position[node]]
+        target = same[0] if same else later[0] if later else len(units) - 1
+        effects.setdefault(names[target], []).append(node)
+    return effects
+
+
+def _mutates_state(node: fx.Node) -> bool:
+    """An in-place operation whose first argument is a parameter, buffer or constant."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    return node.args[0].op == "get_attr" and _in_place(node)
+
+
+def _in_place(node: fx.Node) -> bool:
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = getattr(target, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in ("_setitem", "copy_") or bool(node.kwargs.get("inplace"))
+
+
+def _closure(own: Sequence[fx.Node], tainted: set[str]) -> list[fx.Node]:
+    """Auxiliary nodes the given nodes read (through auxiliary nodes), with in-place updates of them."""
+    found: dict[fx.Node, None] = {}
+    stack = [i for n in own for i in n.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node in found or node.op == "placeholder" or node.name in tainted:
+            continue
+        found[node] = None
+        stack.extend(node.all_input_nodes)
+        for user in node.users:
+            if user.name not in tainted and _in_place(user) and user.args and user.args[0] is node and not _mutates_state(user):
+                stack.append(user)
+    return list(found)
+
+
+def _drop_dead_code(graph: fx.Graph) -> None:
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("placeholder", "output") or node.users:
+            continue
+        if node.op == "get_attr" or not (_in_place(node) or _target_name(node) == "check_guard"):
+            graph.erase_node(node)
+
+
+def _parameters_used(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[str]:
+    names = {id(p): name for name, p in gm.named_parameters()}
+    used: dict[str, None] = {}
+    for n in nodes:
+        if n.op == "call_module":
+            for p in gm.get_submodule(str(n.target)).parameters():
+                used[names[id(p)]] = None
+        elif n.op == "get_attr":
+            value = gm
+            for atom in str(n.target).split("."):
+                value = getattr(value, atom)
+            if isinstance(value, torch.nn.Parameter):
+                used[names[id(value)]] = None
+    return list(used)
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target.rpartition(".")[2]
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet or target, "__name__", str(target)).rpartition(".")[2]
+
+
+def _input_meta(leaf: Leaf | None) -> ValueMeta:
+    assert leaf is not None
+    return ValueMeta(pytree.tree_structure(0), (_leaf_meta(leaf),))
+
+
+def _leaf_meta(leaf: Leaf) -> LeafMeta:
+    if not leaf.batch_dims:
+        return LeafMeta(leaf.shape, leaf.dtype)
+    if leaf.rows == 1:
+        return LeafMeta(leaf.shape[1:], leaf.dtype)
+    return LeafMeta(leaf.shape, leaf.dtype, leaf.rows)
+
+
+def _layer_meta(trace: Trace, outputs: Sequence[str], per_rank: bool) -> ValueMeta:
+    metas = [_leaf_meta(leaf) for name in outputs for leaf in trace.leaves[name] if leaf is not None]
+    spec = pytree.tree_structure(tuple(_structure(trace, name) for name in outputs))
+    return ValueMeta(spec, tuple(metas), per_rank)
+
+
+def _structure(trace: Trace, name: str) -> Any:
+    """A stand-in with the pytree structure of a node's value (its leaves replaced by 0)."""
+    node = trace.node(name)
+    value = node.meta.get("val")
+    if value is not None:
+        return pytree.tree_map(lambda _: 0, value)
+    return 0 if len(trace.leaves[name]) == 1 else tuple(0 for _ in trace.leaves[name])

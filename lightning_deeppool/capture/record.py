@@ -1,0 +1,472 @@
+"""Capture by recording: run the forward on real tensors and record every torch call.
+
+For models `torch.export` cannot take (a check such as ``torch.equal(mask, causal)`` on a constant,
+``leaf_modules``). A `TorchFunctionMode` records each torch function and tensor method the forward calls,
+with real arguments; ``leaf_modules`` are recorded as one call each and run as Python at every step.
+The forward runs three times, at three batch sizes, and the three recordings must agree: integers that
+differ grow linearly with the batch size and become `affine` nodes, anything else that differs is
+refused. Python values taken from tensors (``bool(t)``, ``t.item()``) are refused when the tensor depends
+on the batch, and otherwise become *guards*, checked at every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.capture.trace import (
+    BATCH_SIZE,
+    CaptureError,
+    Leaf,
+    ModuleCall,
+    Trace,
+    affine,
+    graph_module,
+    input_names,
+)
+from lightning_deeppool.capture.values import take_samples
+
+SIZES = (2, 3, 5)
+# Calls that only read metadata: not recorded, their results are shapes and flags, not data.
+_METADATA = {
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "is_floating_point",
+    "is_complex", "is_signed", "element_size", "storage_offset", "data_ptr", "get_device", "__len__",
+    "__hash__", "__repr__", "__format__", "__str__", "untyped_storage", "has_names", "is_inference",
+    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn", "layout", "is_cuda",
+    "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "names", "output_nr",
+    "_version", "_base", "is_mps", "is_xpu", "itemsize", "nbytes", "_is_view", "is_conj", "is_neg",
+}  # fmt: skip
+
+
+class GuardError(RuntimeError):
+    """A value the forward branched on at capture has changed; the captured graph no longer applies."""
+
+
+def check_guard(value: Any, expected: Any, description: str) -> None:
+    """Raise `GuardError` unless `value` equals what the forward saw at capture."""
+    if value != expected:
+        raise GuardError(
+            f"the forward branched on {description}, which was {expected!r} at capture and is now "
+            f"{value!r}: the captured graph no longer describes the model. Keep tensors that forward "
+            "converts to Python values constant during training, or move that code into training_step"
+        )
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor argument: produced by entry `entry` (leaf `leaf`), or an input / attribute / constant."""
+
+    kind: str  # "entry", "input", "attr", "const"
+    key: Any
+    leaf: int = 0
+
+
+@dataclass
+class _Entry:
+    fn: Any
+    args: Any
+    kwargs: dict[str, Any]
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]
+    stack: tuple[ModuleCall, ...]
+    grad: bool
+    module: str | None = None  # a leaf module's path: call it instead of fn
+    guard: Any = None
+    where: str = ""
+
+
+@dataclass
+class _Tape:
+    entries: list[_Entry] = field(default_factory=list)
+    consts: list[torch.Tensor] = field(default_factory=list)
+    outputs: Any = None
+    out_spec: Any = None
+
+
+def trace_by_recording(
+    module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str] = ()
+) -> Trace:
+    """Record ``module(**mapping)`` at three batch sizes and merge the recordings into a `Trace`."""
+    named, input_spec = input_names(mapping)
+    tapes = [_record(module, take_samples(mapping, size), named, leaf_modules) for size in SIZES]
+    return _merge(module, tapes, named, input_spec)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, tape: _Tape, refs: dict[int, _Ref], tainted: set[_Ref], stack: list[ModuleCall]):
+        super().__init__()
+        self.tape, self.refs, self.tainted, self.stack = tape, refs, tainted, stack
+        self.alive: list[Any] = []  # keeps recorded tensors alive so their ids stay unique
+        self.suppressed = 0
+        self.root = ""
+        self.types: dict[str, str] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.suppressed:
+            return func(*args, **kwargs)
+        name = _name(func)
+        if name in _METADATA:
+            return func(*args, **kwargs)
+        if name == "__iter__":
+            # Iterating a tensor unbinds dimension 0: record the unbind, hand back an iterator over it.
+            parts = torch.Tensor.unbind(*args)
+            self.record(torch.Tensor.unbind, args, {}, parts)
+            return iter(parts)
+        if name == "__setitem__":
+            func = _setitem
+        out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return None if func is _setitem else out
+
+    def record(self, fn: Any, args: Any, kwargs: dict[str, Any], out: Any, module: str | None = None) -> None:
+        tensor_args = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        template = pytree.tree_map(self.ref, (args, kwargs))
+        tainted = any(self.refs.get(id(t)) in self.tainted for t in tensor_args)
+        leaves, spec = pytree.tree_flatten(out)
+        index = len(self.tape.entries)
+        entry = _Entry(fn, template[0], template[1], spec, [], tuple(self.stack), torch.is_grad_enabled(), module)
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves) and module is None:
+            if tainted:
+                raise CaptureError(self.data_dependence(_name(fn)))
+            entry.guard = out
+            entry.where = _user_line()
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                ref = _Ref("entry", index, i)
+                self.refs[id(leaf)] = ref
+                self.alive.append(leaf)
+                if tainted:
+                    self.tainted.add(ref)
+            entry.out_leaves.append(leaf)
+        self.tape.entries.append(entry)
+
+    def data_dependence(self, call: str) -> str:
+        """The refusal of a Python value taken from batch data, naming where and what to do."""
+        what = (
+            f"converts a tensor computed from the batch to a Python value ({call}){_user_line()}: its control "
+            "flow or sizes depend on the data, which deeppool cannot split by sample."
+        )
+        if not self.stack:
+            return (
+                f"{self.root}.forward {what} Move that code into training_step, or point the planner at the "
+                "part that can be captured with DeepPoolStrategy(module='<submodule name>')"
+            )
+        path = self.stack[-1].path
+        return (
+            f"submodule {path!r} ({self.types[path]}) {what} Plan it as one layer, run as Python at every "
+            f"step: DeepPoolStrategy(leaf_modules=[{path!r}]) (or `deeppool plan --leaf {path}`)"
+        )
+
+    def ref(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        known = self.refs.get(id(value))
+        if known is not None:
+            return known
+        if value.requires_grad or value.grad_fn is not None:
+            raise CaptureError(
+                f"forward reads a tensor that requires grad but is neither an argument nor a parameter "
+                f"of the planned module{_user_line()}: deeppool cannot tell where it comes from. Register "
+                "it as a parameter of the planned module, or compute it inside forward"
+            )
+        ref = _Ref("const", len(self.tape.consts))
+        self.tape.consts.append(value)
+        self.refs[id(value)] = ref
+        return ref
+
+
+def _setitem(tensor: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``tensor[index] = value`` that returns the tensor, so later reads depend on the write."""
+    tensor[index] = value
+    return tensor
+
+
+def _record(
+    module: nn.Module, mapping: dict[str, Any], named: list[tuple[str, Any]], leaf_modules: Sequence[str]
+) -> _Tape:
+    tape = _Tape()
+    refs: dict[int, _Ref] = {}
+    for fqn, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        refs.setdefault(id(tensor), _Ref("attr", fqn))
+    flat, _ = pytree.tree_flatten(mapping)
+    tainted: set[_Ref] = set()
+    for (name, _), leaf in zip(named, flat):
+        if isinstance(leaf, torch.Tensor):
+            refs[id(leaf)] = _Ref("input", name)
+            tainted.add(refs[id(leaf)])
+    stack: list[ModuleCall] = []
+    recorder = _Recorder(tape, refs, tainted, stack)
+    paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    recorder.root = type(module).__name__
+    recorder.types = {name: type(m).__name__ for name, m in module.named_modules(remove_duplicate=False)}
+    with _module_calls(module, paths, stack, recorder, leaf_modules), recorder:
+        out = type(module).forward(module, **mapping)
+    tape.outputs, tape.out_spec = pytree.tree_flatten(out)
+    tape.outputs = [recorder.ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in tape.outputs]
+    return tape
+
+
+@contextlib.contextmanager
+def _module_calls(
+    root: nn.Module,
+    paths: dict[int, str],
+    stack: list[ModuleCall],
+    recorder: _Recorder,
+    leaf_modules: Sequence[str],
+) -> Iterator[None]:
+    """Keep `stack` at the submodule calls being run; record leaf modules as one call each."""
+    counts: dict[str, int] = {}
+
+    def before(module: nn.Module, _: Any) -> None:
+        path = paths.get(id(module))
+        if path is None or module is root:
+            return
+        stack.append(ModuleCall(path, counts.get(path, 0)))
+        counts[path] = counts.get(path, 0) + 1
+
+    def after(module: nn.Module, _: Any, __: Any) -> None:
+        if paths.get(id(module)) is not None and module is not root and stack:
+            stack.pop()
+
+    leaves = {name: root.get_submodule(name) for name in leaf_modules}
+    originals = {}
+    for path, leaf in leaves.items():
+        originals[path] = leaf.forward
+
+        def call(*args: Any, _path: str = path, _forward: Callable[..., Any] = leaf.forward, **kwargs: Any) -> Any:
+            recorder.suppressed += 1
+            try:
+                out = _forward(*args, **kwargs)
+            finally:
+                recorder.suppressed -= 1
+            recorder.record(None, args, kwargs, out, module=_path)
+            return out
+
+        leaf.forward = call  # type: ignore[method-assign]
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(before),
+        nn.modules.module.register_module_forward_hook(after),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for path, leaf in leaves.items():
+            del leaf.forward
+
+
+def _merge(module: nn.Module, tapes: list[_Tape], named: list[tuple[str, Any]], input_spec: Any) -> Trace:
+    first = tapes[0]
+    _check_same_structure(tapes)
+    graph = fx.Graph()
+    batch_node = graph.placeholder(BATCH_SIZE)
+    inputs = {name: graph.placeholder(name) for name, leaf in named if isinstance(leaf, torch.Tensor)}
+    leaves_info: dict[str, tuple[Leaf | None, ...]] = {
+        inputs[name].name: (Leaf(leaf.dtype, (1, *leaf.shape[1:]), (0,)) if leaf.dim() else Leaf(leaf.dtype, (), ()),)
+        for name, leaf in named
+        if isinstance(leaf, torch.Tensor)
+    }
+    attrs: dict[str, Any] = {}
+    attr_nodes: dict[str, fx.Node] = {}
+    nodes: list[list[fx.Node]] = []
+    stacks: dict[str, tuple[ModuleCall, ...]] = {}
+    guards: list[str] = []
+
+    def arg(values: list[Any], position: str) -> Any:
+        value = values[0]
+        if isinstance(value, _Ref):
+            return node_of(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            if any(v != value for v in values[1:]):
+                raise CaptureError(
+                    f"the forward passes different values ({values}) to {position} at different batch sizes"
+                )
+            return value if _literal(value) else object_node(value)
+        if all(v == value for v in values[1:]):
+            return value
+        scale, offset = _fit(values, position)
+        return graph.call_function(affine, (batch_node, scale, offset))
+
+    def object_node(value: Any) -> fx.Node:
+        """A constant the generated code cannot spell (an enum, a callable): held as an attribute."""
+        name = f"_deeppool_object_{len(attrs)}"
+        attrs[name] = value
+        return graph.get_attr(name)
+
+    def node_of(ref: _Ref) -> fx.Node:
+        if ref.kind == "entry":
+            return nodes[ref.key][ref.leaf]
+        if ref.kind == "input":
+            return inputs[ref.key]
+        name = ref.key if ref.kind == "attr" else f"_deeppool_constant_{ref.key}"
+        if name not in attr_nodes:
+            attrs[name] = _fetch(module, ref.key) if ref.kind == "attr" else first.consts[ref.key]
+            attr_nodes[name] = graph.get_attr(name)
+        return attr_nodes[name]
+
+    for i, entry in enumerate(first.entries):
+        position = f"call {i} ({_name(entry.fn) if entry.module is None else entry.module})"
+        flat_args = [pytree.tree_flatten((t.entries[i].args, t.entries[i].kwargs))[0] for t in tapes]
+        spec = pytree.tree_flatten((entry.args, entry.kwargs))[1]
+        merged = [arg([f[j] for f in flat_args], position) for j in range(len(flat_args[0]))]
+        args, kwargs = pytree.tree_unflatten(merged, spec)
+        if entry.module is not None:
+            node = graph.call_module(entry.module, tuple(args), kwargs)
+        else:
+            node = graph.call_function(entry.fn, tuple(args), kwargs)
+        if not entry.grad:
+            node.meta["no_grad"] = True
+        outs = [_out_leaf(graph, node, j, entry) for j in range(len(entry.out_leaves))]
+        nodes.append(outs)
+        for j, out in enumerate(outs):
+            values = [t.entries[i].out_leaves[j] for t in tapes]
+            leaves_info[out.name] = (_leaf_info(values, position),)
+            stacks[out.name] = entry.stack
+        stacks[node.name] = entry.stack
+        leaves_info.setdefault(node.name, tuple(_leaf_info([t.entries[i].out_leaves[j] for t in tapes], position) for j in range(len(entry.out_leaves))))
+        if entry.guard is not None or (entry.module is None and not entry.out_leaves):
+            check = graph.call_function(check_guard, (node, entry.guard, f"{_name(entry.fn)}{entry.where}"))
+            guards.append(check.name)
+            stacks[check.name] = entry.stack
+    outputs = [
+        arg([t.outputs[j] for t in tapes], f"output {j}") for j in range(len(first.outputs))
+    ]
+    graph.output(outputs)
+    for node in graph.nodes:
+        if node.op == "call_module":
+            attrs[str(node.target)] = module.get_submodule(str(node.target))
+    gm = graph_module(attrs, graph, {name for name, _ in module.named_buffers(remove_duplicate=False)})
+    for node in gm.graph.nodes:
+        leaves_info.setdefault(node.name, ())
+        stacks.setdefault(node.name, ())
+    return Trace(
+        gm=gm,
+        inputs=[node.name for node in inputs.values()],
+        input_spec=input_spec,
+        leaf_names=[inputs[name].name if name in inputs else None for name, _ in named],
+        constants=[None if isinstance(leaf, torch.Tensor) else leaf for _, leaf in named],
+        output_spec=first.out_spec,
+        leaves=leaves_info,
+        stacks=stacks,
+        tracer="record",
+        guards=tuple(guards),
+    )
+
+
+def _out_leaf(graph: fx.Graph, node: fx.Node, index: int, entry: _Entry) -> fx.Node:
+    """The node of one leaf of a call's output: the call itself when its output is one tensor."""
+    if entry.out_spec.num_leaves == 1 and entry.out_spec.is_leaf():
+        return node
+    getter = graph.call_function(_leaf_of, (node, index))
+    if "no_grad" in node.meta:
+        getter.meta["no_grad"] = True
+    return getter
+
+
+def _leaf_of(value: Any, index: int) -> Any:
+    """Leaf `index` of a pytree `value`."""
+    return pytree.tree_leaves(value)[index]
+
+
+_LITERALS = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _literal(value: Any) -> bool:
+    """Whether generated code can spell `value` (fx writes constants into Python source)."""
+    if isinstance(value, slice):
+        return all(_literal(v) for v in (value.start, value.stop, value.step))
+    if isinstance(value, tuple | list):
+        return all(_literal(v) for v in value)
+    return isinstance(value, _LITERALS)
+
+
+def _fetch(module: nn.Module, fqn: str) -> Any:
+    value: Any = module
+    for atom in fqn.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def _fit(values: list[Any], position: str) -> tuple[int, int]:
+    """Integer scale and offset with ``value == scale * size + offset`` at every recorded size."""
+    if any(isinstance(v, float) for v in values):
+        raise CaptureError(
+            f"the forward passes a number computed from the batch size to {position} ({values} at batch sizes "
+            f"{list(SIZES)}); deeppool can only rescale integers that grow linearly with the batch"
+        )
+    (s0, s1), (v0, v1) = SIZES[:2], values[:2]
+    scale, rest = divmod(v1 - v0, s1 - s0)
+    offset = v0 - scale * s0
+    if rest or any(v != scale * s + offset for s, v in zip(SIZES, values)):
+        raise CaptureError(
+            f"the forward passes {values} to {position} at batch sizes {list(SIZES)}: not a linear function of "
+            "the batch size, so deeppool cannot rescale it for a shard of the batch"
+        )
+    return scale, offset
+
+
+def _leaf_info(values: list[Any], position: str) -> Leaf | None:
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        return None
+    shape, batch_dims, rows = [], [], 1
+    for dim, size in enumerate(first.shape):
+        sizes = [v.shape[dim] for v in values]
+        if all(s == size for s in sizes):
+            shape.append(int(size))
+            continue
+        scale, offset = _fit(sizes, f"the shape of {position}")
+        if offset or scale < 1:
+            raise CaptureError(f"{position} has a dimension of sizes {sizes} at batch sizes {list(SIZES)}")
+        batch_dims.append(dim)
+        rows = scale
+        shape.append(scale)
+    return Leaf(first.dtype, tuple(shape), tuple(batch_dims), rows)
+
+
+def _check_same_structure(tapes: list[_Tape]) -> None:
+    first = tapes[0]
+    for size, tape in zip(SIZES[1:], tapes[1:]):
+        if len(tape.entries) != len(first.entries):
+            raise CaptureError(
+                f"the forward made {len(first.entries)} torch calls at batch size {SIZES[0]} and "
+                f"{len(tape.entries)} at batch size {size}: its control flow depends on the batch size"
+            )
+        for i, (a, b) in enumerate(zip(first.entries, tape.entries)):
+            if a.fn is not b.fn or a.module != b.module or a.guard != b.guard:
+                raise CaptureError(
+                    f"the forward's call {i} is {_name(a.fn)} at batch size {SIZES[0]} and {_name(b.fn)} at "
+                    f"{size}: its control flow depends on the batch size"
+                )
+
+
+def _name(fn: Any) -> str:
+    if fn is None:
+        return "module"
+    name = getattr(fn, "__name__", None)
+    owner = getattr(fn, "__self__", None)
+    if name == "__get__" and owner is not None:
+        return getattr(owner, "__name__", "__get__")
+    return name or str(fn)
+
+
+def _user_line() -> str:
+    """`file:line: code` of the innermost frame outside torch and this package."""
+    here = os.path.dirname(os.path.dirname(__file__))
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in inspect.stack()[2:]:
+        if not frame.filename.startswith((here, torch_dir)) and "contextlib" not in frame.filename:
+            code = frame.code_context[0].strip() if frame.code_context else ""
+            return f" at {frame.filename}:{frame.lineno}: {code}"
+    return ""

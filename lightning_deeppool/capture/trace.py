@@ -1,0 +1,130 @@
+"""The trace both tracers produce: one fx graph of the forward and, per node, the structure of its value.
+
+The graph's placeholders are ``batch_size`` (the number of samples the evaluating layer holds) and one
+per tensor leaf of the forward's arguments. Parameters and buffers are ``get_attr`` nodes naming the
+planned module's own tensors, so gradients and in-place buffer updates reach them. Every integer that
+grows with the batch is an `affine` node of ``batch_size``: a layer evaluated on its shard of the batch
+computes its shapes from that shard.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+BATCH_SIZE = "batch_size"
+
+
+def affine(batch: int, scale: int, offset: int) -> int:
+    """An integer that grows with the batch: ``scale * batch + offset``."""
+    return scale * batch + offset
+
+
+class CaptureError(RuntimeError):
+    """The module cannot be cut into layers; the message says what to change."""
+
+
+class ModuleCall(NamedTuple):
+    """One call of a submodule: its qualified name and which call of it this is (0, 1, ...)."""
+
+    path: str
+    index: int
+
+    @property
+    def label(self) -> str:
+        return self.path if self.index == 0 else f"{self.path}@{self.index}"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor in a node's value. ``shape`` is taken at one sample; ``batch_dims`` lists the dimensions
+    that grow with the batch (``rows`` per sample in each)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    batch_dims: tuple[int, ...]
+    rows: int = 1
+
+
+@dataclass
+class Trace:
+    """A forward as one graph (see the module docstring) with what the analysis needs per node.
+
+    ``inputs`` names the placeholders of the tensor leaves of the call's arguments, ``input_spec`` the
+    pytree spec of those arguments (a mapping of parameter names to values), ``leaf_names`` each
+    leaf's placeholder (None for non-tensor leaves) and ``constants`` the non-tensor leaves (tensor
+    positions None): a later call must match them.
+    ``leaves[node]`` describes each leaf of a node's value (None for non-tensors), ``stacks[node]``
+    the submodule calls it ran inside, outermost first.
+    """
+
+    gm: fx.GraphModule
+    inputs: list[str]
+    input_spec: pytree.TreeSpec
+    leaf_names: list[str | None]
+    constants: list[Any]
+    output_spec: pytree.TreeSpec
+    leaves: dict[str, tuple[Leaf | None, ...]]
+    stacks: dict[str, tuple[ModuleCall, ...]]
+    tracer: str
+    guards: tuple[str, ...] = ()
+
+    def node(self, name: str) -> fx.Node:
+        for node in self.gm.graph.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+def graph_module(attrs: dict[str, Any], graph: fx.Graph, buffers: set[str]) -> fx.GraphModule:
+    """A GraphModule holding `attrs` by reference (the planned module's own parameters, buffers and
+    submodules, and constants), with `buffers` registered as buffers so that state saving and
+    restoring sees them."""
+    gm = fx.GraphModule(attrs, graph)
+    for target in buffers & attrs.keys():
+        parent_name, _, name = target.rpartition(".")
+        parent = gm.get_submodule(parent_name)
+        value = getattr(parent, name)
+        delattr(parent, name)
+        parent.register_buffer(name, value)
+    return gm
+
+
+def input_names(mapping: dict[str, Any]) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
+    """The call's leaves with readable unique names (``x``, ``batch_image``), and its spec."""
+    flat, spec = pytree.tree_flatten_with_path(mapping)
+    named, seen = [], set()
+    for path, leaf in flat:
+        base = re.sub(r"\W+", "_", pytree.keystr(path)).strip("_") or "input"
+        name, n = base, 1
+        while name in seen or name == BATCH_SIZE:
+            name, n = f"{base}_{n}", n + 1
+        seen.add(name)
+        named.append((name, leaf))
+    return named, spec
+
+
+def is_batch_input(leaf: Any) -> bool:
+    """Tensor arguments with at least one dimension are batches (dimension 0 is the sample)."""
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+
+
+def describe(node: fx.Node) -> str:
+    """`op target` of a node, readable for error messages."""
+    target = node.target
+    if isinstance(target, str):
+        return f"{node.op} {target}"
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{node.op} {name}"
+
+
+def where(node: fx.Node) -> str:
+    """The user's source line that produced a node, when the tracer recorded it."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    return f" ({lines[-2]}: {lines[-1]})" if len(lines) >= 2 else ""

@@ -1,0 +1,183 @@
+"""Every call of the planned module's forward under the strategy, and the step state it implies.
+
+Inside a training step, a call every rank makes (`CallAgreement`) runs the plan; the first one installs
+it. Any other call (a callback, a hook, validation, a call only some ranks make) runs the module's own
+forward on the rank that makes it. Rank 0 holds every parameter up to date; another rank holds only the
+layers it runs, so it refuses such a call once its other layers are stale (until validation or the end
+of fit refreshes them), and refuses to backpropagate through one into layers it does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.strategy.agree import on_rank_zero
+from lightning_deeppool.strategy.calls import CallAgreement, call_site
+from lightning_deeppool.strategy.verify import first_difference
+
+if TYPE_CHECKING:
+    from lightning_deeppool.strategy.deeppool import DeepPoolStrategy
+    from lightning_deeppool.strategy.install import Installation
+
+
+class ForwardCalls:
+    """Replaces `target.forward` on this rank (see the module docstring) until `close`."""
+
+    def __init__(self, strategy: DeepPoolStrategy, target: nn.Module, agreement: CallAgreement | None) -> None:
+        self.strategy = strategy
+        self.target = target
+        self.agreement = agreement
+        self.in_training_step = False
+        self.stale = False  # this rank's copies of layers it does not run are out of date
+        self.stale_anywhere = False  # some rank's are: a refresh is due (the same on every rank)
+        self._pending = 0  # planned calls with gradients since the last backward
+        self._verified = False
+        self._original = type(target).forward.__get__(target)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self(args, kwargs)
+
+        target.forward = forward  # type: ignore[method-assign]
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.in_training_step and self.agreement is not None and self.agreement.agree(call_site()):
+            return self._planned(args, kwargs)
+        return self._local(args, kwargs)
+
+    @contextmanager
+    def training_step(self) -> Iterator[None]:
+        assert self.agreement is not None
+        self.agreement.begin_step()
+        self.in_training_step = True
+        try:
+            yield
+        finally:
+            self.in_training_step = False
+            self.agreement.end_step()
+
+    # ---------------------------------------------------------------------------------- calls
+    def _planned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        installation = self.strategy.installation
+        if installation is None:
+            with self._unwrapped():
+                installation = self.strategy.install(self.target, args, kwargs)
+        runtime = installation.runtime
+        runtime.keep_last_step = not self._verified
+        outputs = runtime.forward(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._pending += 1
+        if not self._verified:
+            self._verified = True
+            self._verify(installation, args, kwargs)
+        return outputs
+
+    def _verify(self, installation: Installation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Once, on the first planned call: rank 0 compares every layer with one device's values."""
+        step = installation.runtime.last_step
+        installation.runtime.last_step = None
+        captured = installation.captured
+        message = on_rank_zero(lambda: first_difference(captured, step, captured.bind(args, kwargs)))
+        if message is not None:
+            raise RuntimeError(f"deeppool: the installed plan does not reproduce the model: {message}")
+
+    def _local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        installation = self.strategy.installation
+        rank = self.strategy.global_rank
+        if installation is None or installation.owns_everything(rank):
+            return self._original(*args, **kwargs)
+        if self.stale:
+            raise RuntimeError(
+                f"deeppool: rank {rank} called {type(self.target).__name__}.forward outside the planned "
+                "calls of the training step (in a callback or hook, or in a call only some ranks make). "
+                f"Rank {rank} updates only the layers it runs, so its copy of the others is out of date "
+                "until validation or the end of fit. Make that call on rank 0 (`if trainer.is_global_zero:`), "
+                "which holds every parameter, or in validation_step"
+            )
+        outputs = self._original(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return outputs
+        message = (
+            f"deeppool: rank {rank} called {type(self.target).__name__}.forward alone (the other ranks did "
+            "not make this call) and backpropagated through it, into layers this rank does not hold: their "
+            "gradient would be lost. Make such calls under torch.no_grad(), or on rank 0 only"
+        )
+        return _guard_backward(outputs, message)
+
+    @contextmanager
+    def _unwrapped(self) -> Iterator[None]:
+        """The module's own forward, for capture (which calls the module)."""
+        wrapper = self.target.forward
+        del self.target.forward
+        try:
+            yield
+        finally:
+            self.target.forward = wrapper  # type: ignore[method-assign]
+
+    # ----------------------------------------------------------------------------- the step
+    def check_installed(self) -> None:
+        """A training step that never ran the planned forward installed no plan: its gradients were
+        not synchronized. Every rank ran the same step, so every rank raises here."""
+        if self.strategy.installation is not None or self.agreement is None:
+            return
+        raise RuntimeError(
+            f"deeppool: the training step did not call {type(self.target).__name__}.forward, so no plan was "
+            "installed and gradients would not be synchronized across ranks. Call the model's forward "
+            "in training_step (self(x)), or set DeepPoolStrategy(module='<name>') to the submodule "
+            "training_step calls."
+        )
+
+    def before_backward(self, last: bool) -> None:
+        """Buckets may launch during this backward only if it is the step's last and has one pass."""
+        installation = self.strategy.installation
+        if installation is not None:
+            installation.runtime.expect_last_pass(last and self._pending == 1 and installation.settled)
+        self._pending = 0
+
+    def sync_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        installation = self.strategy.installation
+        if installation is not None:
+            installation.sync(self.strategy.optimizers, optimizer)
+
+    def after_optimizer_step(self) -> None:
+        installation = self.strategy.installation
+        if installation is not None and not all(w == installation.plan.world_size for w in installation.widths.values()):
+            self.stale_anywhere = True
+            self.stale = not installation.owns_everything(self.strategy.global_rank)
+
+    def refreshed(self) -> None:
+        self.stale = self.stale_anywhere = False
+
+    def close(self) -> None:
+        if "forward" in vars(self.target):
+            del self.target.forward
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity whose backward raises: marks outputs whose gradient this rank cannot deliver."""
+
+    @staticmethod
+    def forward(ctx: Any, message: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        raise RuntimeError(ctx.message)
+
+
+def _guard_backward(outputs: Any, message: str) -> Any:
+    leaves, spec = pytree.tree_flatten(outputs)
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return outputs
+    guarded = _NoBackward.apply(message, *(leaves[i] for i in positions))
+    for i, t in zip(positions, guarded):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+

@@ -1,0 +1,124 @@
+"""Drop-in: models and usage patterns nobody here wrote train to one device's weights under deeppool.
+
+Each `zoo.CASES` entry trains on 2 and 3 spawned ranks with pins that mix widths (one process world
+per rank count runs every case) and on one device over the same global batches; the BatchNorm ResNet
+is compared with Lightning's DDP in the same world instead (BatchNorm sees each rank's samples).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_deeppool import DeepPoolStrategy
+
+from distributed import run_distributed
+from models import join_lightning_world, max_param_diff, parameters, reference_fit, trainer_kwargs
+from zoo import CASES, Case, PredictionLogger, RankZeroLogging
+
+TOLERANCE = 1e-5
+STEPS = {"max_steps": 3}
+
+
+def _trainer(case: Case, **overrides: Any) -> dict[str, Any]:
+    return {**STEPS, **case.trainer, **overrides}
+
+
+def _fresh(case: Case, init: dict[str, torch.Tensor] | None = None) -> pl.LightningModule:
+    torch.manual_seed(0)
+    model = case.model()
+    if init is not None:
+        model.load_state_dict(init)
+    return model
+
+
+def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root: str) -> dict[str, Any]:
+    """Every case on this world; per case the trained parameters and buffers, the plan's widths and
+    what its rank-0-only calls saw."""
+    join_lightning_world(rank, world)
+    results = {}
+    for name, case in CASES.items():
+        data = case.data(4 * case.local_batch * world)
+        outcome: dict[str, Any] = {}
+        if case.reference == "ddp":
+            ddp = _fresh(case, inits[name])
+            trainer = pl.Trainer(**trainer_kwargs(devices=world, strategy="ddp", default_root_dir=root, **_trainer(case)))
+            trainer.fit(ddp, DataLoader(data, batch_size=case.local_batch))
+            outcome["ddp"] = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
+        model = _fresh(case, inits[name])
+        callbacks = case.callbacks()
+        strategy = DeepPoolStrategy(
+            plan=case.pins[world], cache_dir=False, profile_warmup=0, profile_repeats=1, **case.strategy
+        )
+        trainer = pl.Trainer(
+            **trainer_kwargs(devices=world, strategy=strategy, callbacks=callbacks, default_root_dir=root, **_trainer(case))
+        )
+        trainer.fit(model, DataLoader(data, batch_size=case.local_batch))
+        assert strategy.plan is not None
+        outcome.update(
+            params=parameters(model),
+            state={k: v.detach().clone() for k, v in model.state_dict().items()},
+            widths=sorted(set(strategy.plan.widths().values())),
+            steps=trainer.global_step,
+            logged=[len(c.logged) for c in callbacks if isinstance(c, PredictionLogger)],
+            rank_zero_calls=[hasattr(model, "first_logits"), hasattr(model, "last_logits")]
+            if isinstance(model, RankZeroLogging)
+            else None,
+        )
+        results[name] = outcome
+    return results
+
+
+def _reference(name: str, case: Case, world: int) -> pl.LightningModule:
+    model = _fresh(case)
+    reference_fit(
+        model,
+        case.data(4 * case.local_batch * world),
+        case.local_batch * world,
+        callbacks=case.callbacks(),
+        **_trainer(case, enable_model_summary=False),
+    )
+    return model
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def zoo(request, tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    world = request.param
+    inits = {name: _fresh(case).state_dict() for name, case in CASES.items()}
+    results = run_distributed(_zoo, world, world, inits, str(tmp_path_factory.mktemp("zoo")), timeout_s=900)
+    references = {
+        name: _reference(name, case, world) for name, case in CASES.items() if case.reference == "single"
+    }
+    return world, references, {name: [rank[name] for rank in results] for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_trains_to_the_reference_weights_with_mixed_widths(zoo, name):
+    world, references, results = zoo
+    ranks = results[name]
+    assert ranks[0]["steps"] > 0
+    assert len(ranks[0]["widths"]) >= 2, ranks[0]["widths"]
+    if CASES[name].reference == "ddp":
+        assert max_param_diff(ranks[0]["ddp"], ranks[0]["state"]) < TOLERANCE
+    else:
+        assert max_param_diff(parameters(references[name]), ranks[0]["params"]) < TOLERANCE
+    for rank in ranks[1:]:
+        assert max_param_diff(ranks[0]["params"], rank["params"]) == 0
+
+
+def test_rank_zero_calls_in_training_step_ran_on_rank_zero_only(zoo):
+    _, _, results = zoo
+    calls = [rank["rank_zero_calls"] for rank in results["rank-zero-forward-in-training-step"]]
+    assert calls[0] == [True, True]
+    assert all(c == [False, False] for c in calls[1:])
+
+
+def test_rank_zero_callback_logged_after_every_epoch(zoo):
+    _, _, results = zoo
+    logged = [rank["logged"] for rank in results["rank-zero-callback-after-epoch"]]
+    assert logged[0] == [2]
+    assert all(c == [0] for c in logged[1:])

@@ -1,0 +1,343 @@
+"""Models and usage patterns nobody here wrote, for the drop-in equivalence tests (`test_zoo.py`).
+
+Language models from Lightning's demos, Hugging Face `transformers` (built from small configs, nothing
+downloaded) and `torch.nn`; a BatchNorm ResNet; and the ways Lightning projects call their models:
+two forwards per step, a rank-0-only forward in `training_step` and in a callback, a model summary
+with `example_input_array`, manual optimization with two optimizers, frozen, tied and
+outside-forward parameters, trainable code before the planned module. No dropout, SGD everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from models import CLASSES, MLP, Classifier, ConvNet, images
+
+VOCAB, SEQ = 48, 10
+
+
+def tokens(n: int, seed: int = 0) -> TensorDataset:
+    """`n` sequences of token ids and their next tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def masked_tokens(n: int, seed: int = 0) -> TensorDataset:
+    """Token ids with a padding mask (random lengths) and per-token labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (n, 1), generator=g)
+    mask = (torch.arange(SEQ) < lengths).long()
+    return TensorDataset(ids, mask, torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+class LanguageModel(pl.LightningModule):
+    """Next-token cross-entropy on (ids, targets) batches; SGD with momentum."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self(ids).reshape(-1, VOCAB), targets.reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class DemoTransformer(LanguageModel):
+    """`lightning.pytorch.demos.Transformer`: encoder-decoder, masks built and cached in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        return F.nll_loss(self(ids, targets), targets.view(-1))
+
+
+class GPT2(LanguageModel):
+    """Hugging Face GPT-2 computing its own loss (``labels=``) inside forward; tied embedding and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.model(input_ids=ids, labels=labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        return self(ids, labels=ids).loss
+
+
+class BERT(pl.LightningModule):
+    """Hugging Face BERT masked LM with an attention-mask input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        self.model = BertForMaskedLM(config)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = batch
+        return F.cross_entropy(self(ids, mask).reshape(-1, VOCAB), labels.reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class Llama(LanguageModel):
+    """A Llama-style decoder from Hugging Face: rotary embeddings, RMSNorm, grouped-query attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ, use_cache=False,
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+class CausalEncoder(LanguageModel):
+    """`nn.TransformerEncoder` (batch_first) with a causal mask buffer and tied embedding and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), mask=self.mask))
+
+
+class LSTMLanguageModel(LanguageModel):
+    """Embedding, two-layer LSTM, linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.lstm = nn.LSTM(24, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(ids))
+        return self.head(hidden)
+
+
+class BatchNormResNet(Classifier):
+    """Convolutions with BatchNorm in two residual blocks, a linear head (compared with DDP)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.block1 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.block2 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.head = nn.Linear(8 * 8 * 8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        y = torch.relu(y + self.block1(y))
+        y = torch.relu(y + self.block2(y))
+        return self.head(y.flatten(1))
+
+
+# ------------------------------------------------------------------------------------- patterns
+class TwoViews(ConvNet):
+    """Two forwards per step, on the input and on a flipped copy (a two-view / siamese loss)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y) + 0.5 * F.cross_entropy(self(x.flip(-1)), y)
+
+
+class RankZeroLogging(ConvNet):
+    """Rank 0 alone calls the model in training_step, before and after the loss's forward."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_rank == 0:
+            with torch.no_grad():
+                self.first_logits = self(x[:2])
+        loss = F.cross_entropy(self(x), y)
+        if self.trainer.is_global_zero:
+            self.last_logits = self(x[:1]).detach()
+        return loss
+
+
+class PredictionLogger(pl.Callback):
+    """Logs sample predictions on rank 0 after every training epoch, as many callbacks do."""
+
+    def __init__(self) -> None:
+        self.logged: list[torch.Tensor] = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            with torch.no_grad():
+                self.logged.append(pl_module(images(2, seed=5).tensors[0]))
+
+
+class WithSummary(ConvNet):
+    """`example_input_array` with Lightning's model summary on: rank 0 calls the model at fit start."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.example_input_array = torch.zeros(2, 3, 8, 8)
+
+
+class GAN(pl.LightningModule):
+    """Manual optimization with two optimizers: the planned forward is the generator, the
+    discriminator is called directly in training_step (its parameters are reduced over every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 192))
+        self.discriminator = nn.Sequential(nn.Linear(192, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real = batch[0].flatten(1)
+        z = real[:, :8] * 0.5  # noise taken from the data: the same on one device and on many
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(self(z)), ones)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        fake = self(z).detach()
+        real_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+        fake_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)
+        self.manual_backward((real_loss + fake_loss) / 2)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.SGD(self.generator.parameters(), lr=0.2, momentum=0.9),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.2, momentum=0.9),
+        )
+
+
+class FrozenBody(MLP):
+    """The first hidden layer is frozen (fine-tuning)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.body[0].requires_grad_(False)
+
+
+class PenalizedHead(MLP):
+    """training_step uses the head's weight outside forward too (an L2 penalty on it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y) + 1e-2 * self.head.weight.pow(2).sum()
+
+
+class StemThenBody(Classifier):
+    """A trainable stem before the planned submodule (``DeepPoolStrategy(module="body")``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.body = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, CLASSES)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.relu(self.stem(x)))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks."""
+
+    model: Callable[[], pl.LightningModule]
+    data: Callable[[int], Dataset]
+    pins: dict[int, dict[str, int]]
+    reference: str = "single"  # "single": one device; "ddp": Lightning's DDP (batch statistics)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    callbacks: Callable[[], list[pl.Callback]] = list
+    local_batch: int = 4
+
+
+def _pins(narrow: str, middle: str) -> dict[int, dict[str, int]]:
+    """`narrow` at width 1, `middle` at width 2 on three ranks, everything else at full width."""
+    return {2: {"": 2, narrow: 1}, 3: {"": 3, narrow: 1, middle: 2}}
+
+
+CASES: dict[str, Case] = {
+    "demo-transformer": Case(DemoTransformer, tokens, _pins("model.decoder", "model.transformer.decoder")),
+    "hf-gpt2-loss-in-forward-tied-head": Case(GPT2, tokens, _pins("model.lm_head", "model.transformer.h.1")),
+    "hf-bert-attention-mask": Case(BERT, masked_tokens, _pins("model.cls", "model.bert.encoder.layer.1")),
+    "hf-llama": Case(Llama, tokens, _pins("model.lm_head", "model.model.layers.1")),
+    "transformer-encoder-causal-mask-tied": Case(CausalEncoder, tokens, _pins("head", "encoder.layers.1")),
+    "lstm-language-model": Case(LSTMLanguageModel, tokens, _pins("head", "lstm")),
+    "resnet-batchnorm-vs-ddp": Case(
+        BatchNormResNet,
+        images,
+        {2: {"": 2, "head": 1, "block2.0": 1}, 3: {"": 3, "head": 1, "block2.0": 2, "block1.0": 1}},
+        reference="ddp",
+    ),
+    "two-forwards-per-step": Case(TwoViews, images, _pins("head", "features.2")),
+    "two-forwards-accumulate": Case(
+        TwoViews, images, _pins("head", "features.0"), trainer={"accumulate_grad_batches": 2}
+    ),
+    "rank-zero-forward-in-training-step": Case(RankZeroLogging, images, _pins("head", "features.2")),
+    "rank-zero-callback-after-epoch": Case(
+        ConvNet, images, _pins("head", "features.2"), trainer={"max_epochs": 2}, callbacks=lambda: [PredictionLogger()]
+    ),
+    "model-summary-example-input": Case(
+        WithSummary, images, _pins("head", "features.2"), trainer={"enable_model_summary": True}
+    ),
+    "manual-optimization-gan": Case(GAN, images, _pins("generator.2", "generator.0")),
+    "frozen-layer": Case(FrozenBody, images, _pins("head", "body.2")),
+    "parameter-used-outside-forward": Case(PenalizedHead, images, _pins("head", "body.2")),
+    "trainable-code-before-planned-module": Case(
+        StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}
+    ),
+}
