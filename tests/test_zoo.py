@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from lightning_deeppool import DeepPoolStrategy
 
 from distributed import run_distributed
-from models import join_lightning_world, max_param_diff, parameters, reference_fit, trainer_kwargs
+from models import SEED, join_lightning_world, max_param_diff, parameters, reference_fit, trainer_kwargs
 from zoo import CASES, Case, PredictionLogger, RankZeroLogging
 
 TOLERANCE = 1e-5
@@ -42,6 +42,7 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
     join_lightning_world(rank, world)
     results = {}
     for name, case in CASES.items():
+        pl.seed_everything(SEED, verbose=False)  # the distributed sampler's shuffle seed
         data = case.data(4 * case.local_batch * world)
         outcome: dict[str, Any] = {}
         if case.reference == "ddp":

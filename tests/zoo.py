@@ -329,7 +329,11 @@ CASES: dict[str, Case] = {
     ),
     "rank-zero-forward-in-training-step": Case(RankZeroLogging, images, _pins("head", "features.2")),
     "rank-zero-callback-after-epoch": Case(
-        ConvNet, images, _pins("head", "features.2"), trainer={"max_epochs": 2}, callbacks=lambda: [PredictionLogger()]
+        ConvNet,
+        images,
+        _pins("head", "features.2"),
+        trainer={"max_epochs": 2, "max_steps": -1},
+        callbacks=lambda: [PredictionLogger()],
     ),
     "model-summary-example-input": Case(
         WithSummary, images, _pins("head", "features.2"), trainer={"enable_model_summary": True}

@@ -7,7 +7,10 @@ step. A rank announces the call it is at; when every rank has announced the same
 When no rank can still arrive (each has left the step, is waiting at another call, or is blocked in a
 collective), the call is decided *local*: it runs as plain PyTorch on the ranks that made it. In that
 state the lowest waiting rank's call is decided first: rank 0 holds every parameter, so its lone calls
-are the ones that can run locally.
+are the ones that can run locally. A rank blocked in a collective may still be finishing one the
+waiting ranks already took part in, so it counts as stuck only once nothing has changed for
+`BLOCKED_GRACE_S`. A wrong decision cannot pass silently: a rank that does not hold every layer
+refuses to run a call locally once its copy is stale, or to backpropagate through one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 _POLL_S = (5e-5, 2e-3)  # first and longest pause between two looks at the store
 _GIVE_UP_S = 600.0
+BLOCKED_GRACE_S = 2.0
 
 
 class CallAgreement:
@@ -69,10 +73,18 @@ class CallAgreement:
             return self._decide(decision, "collective")
         self._post("wait", key)
         start, pause = time.monotonic(), _POLL_S[0]
+        unchanged: tuple[float, list[bytes]] | None = None
         try:
             while not self.store.check([decision]):
-                if self._stuck(key):
+                states = self.store.multi_get([self._state_key(r) for r in range(self.world_size)])
+                stuck = self._stuck(key, states)
+                if stuck == "stuck":
                     return self._decide(decision, "local")
+                if stuck == "blocked":
+                    if unchanged is None or unchanged[1] != states:
+                        unchanged = (time.monotonic(), states)
+                    elif time.monotonic() - unchanged[0] > BLOCKED_GRACE_S:
+                        return self._decide(decision, "local")
                 if time.monotonic() - start > _GIVE_UP_S:
                     raise RuntimeError(
                         f"deeppool: rank {self.rank} waited {_GIVE_UP_S:.0f} s for the other ranks to call the "
@@ -88,22 +100,27 @@ class CallAgreement:
     def _decide(self, decision: str, value: str) -> bool:
         return self.store.compare_set(decision, "", value) == b"collective"
 
-    def _stuck(self, key: str) -> bool:
-        """Whether no other rank can still arrive at `key`, and this rank is the one to decide."""
-        states = self.store.multi_get([self._state_key(r) for r in range(self.world_size)])
-        waiting = []
+    def _stuck(self, key: str, states: list[bytes]) -> str:
+        """"stuck" when no other rank can still arrive at `key` and this rank is the one to decide,
+        "blocked" when that depends on ranks blocked in a collective, else "" (keep waiting)."""
+        waiting, blocked = [], False
         for rank, raw in enumerate(states):
             step, kind, at = raw.decode().split("|", 2)
             if int(step) < self.step:
-                return False  # that rank has not reached this step yet
-            if int(step) > self.step or kind in ("done", "blocked"):
+                return ""  # that rank has not reached this step yet
+            if int(step) > self.step or kind == "done":
+                continue
+            if kind == "blocked":
+                blocked = True
                 continue
             if kind == "busy":
-                return False
+                return ""
             if at != key and self.store.check([f"{at}/decision"]):
-                return False  # decided since: that rank is busy again
+                return ""  # decided since: that rank is busy again
             waiting.append(rank)
-        return min(waiting) == self.rank
+        if min(waiting) != self.rank:
+            return ""
+        return "blocked" if blocked else "stuck"
 
     def _post(self, kind: str, at: str = "") -> None:
         self.store.set(self._state_key(self.rank), f"{self.step}|{kind}|{at}")

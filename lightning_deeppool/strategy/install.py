@@ -150,7 +150,8 @@ class Installation:
         bucket_bytes: int,
     ) -> Installation:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        params = dict(captured.module.named_parameters())
+        used = {name for names in captured.layer_params.values() for name in names}
+        params = {name: p for name, p in captured.module.named_parameters() if name in used}
         schedule = build_schedule(
             captured.graph,
             plan.widths(),

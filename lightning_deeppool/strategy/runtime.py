@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, GuardError, ValueMeta
-from lightning_deeppool.capture.graph import value_meta
+from lightning_deeppool.capture.graph import preserved, value_meta
 from lightning_deeppool.capture.values import rows_view, samples_view
 from lightning_deeppool.planner.layout import balanced
 from lightning_deeppool.strategy.grad_sync import GradSync
@@ -158,7 +158,7 @@ class BurstRuntime:
         """Per-sample structure of every value under the current autocast state (which decides
         dtypes), from two all-zero samples so every rank gets the same answer."""
         zeros = {name: t.new_zeros((2, *t.shape[1:])) for name, t in batch.items()}
-        with torch.no_grad():
+        with torch.no_grad(), preserved(self.captured.module, self.device):
             values = self.captured.run_all(zeros, 2, local)
         meta = dict(self.captured.meta)
         for layer in self.captured.graph.layers:
