@@ -56,7 +56,7 @@ def capture_graph(
     capture. Raises `CaptureError` naming the construct that failed and what to do.
     """
     signature = inspect.signature(type(module).forward.__get__(module))
-    mapping = call_mapping(signature, example_args, example_kwargs or {})
+    mapping = _distinct(call_mapping(signature, example_args, example_kwargs or {}))
     _check_arguments(module, mapping)
     try:
         with torch.enable_grad(), preserved(module):
@@ -105,6 +105,22 @@ def _record(
             raise
         first = str(export_error).strip().splitlines()[0] if str(export_error).strip() else type(export_error).__name__
         raise CaptureError(f"{err}\n(torch.export failed first: {type(export_error).__name__}: {first})") from err
+
+
+def _distinct(mapping: dict[str, Any]) -> dict[str, Any]:
+    """The arguments with every tensor passed twice (``labels=input_ids``) copied: the capture must not
+    assume two arguments are one tensor, since a later call may pass different ones."""
+    seen: set[int] = set()
+
+    def copy(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.clone()
+        seen.add(id(leaf))
+        return leaf
+
+    return pytree.tree_map(copy, mapping)
 
 
 def _check_arguments(module: nn.Module, mapping: dict[str, Any]) -> None:

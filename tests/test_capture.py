@@ -1,0 +1,194 @@
+"""Capture (one process): export where it works, recording where it does not, layers by submodule
+call, values split by sample, and a clear refusal for whatever cannot be split by sample."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_deeppool.capture import CaptureError, GuardError, capture_graph
+
+from zoo import GPT2, SEQ, VOCAB, CausalEncoder, DemoTransformer, tokens
+
+
+def _replayed(captured, *args, **kwargs):
+    """The forward's outputs, evaluated layer by layer from the capture (no grad)."""
+    inputs = captured.bind(args, kwargs)
+    batch = {name: inputs[name] for name in captured.batch_inputs}
+    count = next(iter(batch.values())).shape[0]
+    with torch.no_grad():
+        values = captured.run_all(batch, count, {})
+        return captured.forward_outputs(values, count, {})
+
+
+def _close(a, b) -> bool:
+    return all(torch.allclose(x, y, atol=1e-6) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
+
+
+def test_hugging_face_gpt2_is_exported_with_a_symbolic_batch_size():
+    torch.manual_seed(0)
+    model = GPT2()
+    ids = tokens(6).tensors[0]
+    captured = capture_graph(model, (ids[:4], ids[:4]))
+    assert captured.tracer == "export"
+    with torch.no_grad():
+        assert _close(model(ids[:3], ids[:3]), _replayed(captured, ids[:3], ids[:3]))
+
+
+def test_a_loss_computed_inside_forward_is_a_per_rank_layer():
+    torch.manual_seed(0)
+    ids = tokens(4).tensors[0]
+    graph = capture_graph(GPT2(), (ids, ids)).graph
+    assert [layer.name for layer in graph.layers if layer.per_rank] == [graph.layers[-1].name]
+    assert not any(layer.per_rank for layer in graph.layers[:-1])
+
+
+def test_an_argument_passed_twice_is_captured_as_two_inputs():
+    torch.manual_seed(0)
+    model = GPT2()
+    ids = tokens(4).tensors[0]
+    captured = capture_graph(model, (ids, ids))  # labels=ids: the same tensor twice
+    labels = ids.clone()
+    labels[:, :3] = -100
+    with torch.no_grad():
+        assert _close(model(ids, labels), _replayed(captured, ids, labels))
+
+
+def test_the_lightning_demo_transformer_is_recorded_when_export_fails():
+    torch.manual_seed(0)
+    model = DemoTransformer()
+    ids, targets = tokens(6).tensors
+    captured = capture_graph(model, (ids[:4], targets[:4]))
+    assert captured.tracer == "record"
+    assert captured.guards or captured._guard_nodes  # the causal-mask check on its constant mask
+    with torch.no_grad():
+        assert _close(model(ids[:5], targets[:5]), _replayed(captured, ids[:5], targets[:5]))
+
+
+def test_flattened_outputs_split_by_their_rows_per_sample():
+    torch.manual_seed(0)
+    ids, targets = tokens(4).tensors
+    captured = capture_graph(DemoTransformer(), (ids, targets))
+    last = captured.meta[captured.graph.outputs[-1]]
+    assert [(leaf.rows, leaf.shape) for leaf in last.leaves] == [(SEQ, (SEQ, VOCAB))]
+
+
+def test_layers_are_submodule_calls_in_execution_order():
+    torch.manual_seed(0)
+    graph = capture_graph(CausalEncoder(), (tokens(4).tensors[0],)).graph
+    names = [layer.name for layer in graph.layers]
+    assert names[0] == "embed" and names[-1] == "head"
+    assert names.index("encoder_layers_0_self_attn") < names.index("encoder_layers_1_self_attn")
+    assert {layer.module for layer in graph.layers} >= {"embed", "encoder.layers.0.linear1", "head"}
+
+
+def test_a_changed_captured_branch_is_detected_by_its_guard():
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    captured = capture_graph(model, (tokens(4).tensors[0],))
+    assert captured.tracer == "record"
+    captured.run_guards({})
+    with torch.no_grad():
+        model.mask.zero_()  # no longer causal: nn.TransformerEncoder would take the other branch
+    with pytest.raises(GuardError, match="branched on"):
+        captured.run_guards({})
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x - x.mean(0, keepdim=True))
+
+
+class _SequenceFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).transpose(0, 1)
+
+
+class _PerSampleLoop(nn.Module):
+    """Python that depends on each sample's values: only capturable as a leaf module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([row * 2 if row.sum() > 0 else -row for row in x])
+
+
+class _WithLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = _PerSampleLoop()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.loop(x))
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.linear(x)
+
+
+def test_an_operation_that_mixes_samples_is_refused():
+    with pytest.raises(CaptureError, match="mixes samples"):
+        capture_graph(_Mixer(), (torch.randn(4, 4),))
+
+
+def test_an_output_whose_batch_dimension_is_not_first_is_refused():
+    with pytest.raises(CaptureError, match="whose batch dimension is not dimension 0"):
+        capture_graph(_SequenceFirst(), (torch.randn(4, 3, 4),))
+
+
+def test_a_data_dependent_submodule_is_named_with_the_leaf_modules_fix():
+    with pytest.raises(CaptureError, match=r"submodule 'loop' \(_PerSampleLoop\).*leaf_modules=\['loop'\]"):
+        capture_graph(_WithLoop(), (torch.randn(4, 4),))
+
+
+def test_a_leaf_module_runs_its_own_python_on_every_shard():
+    model = _WithLoop()
+    x = torch.randn(5, 4)
+    captured = capture_graph(model, (x[:4],), leaf_modules=["loop"])
+    with torch.no_grad():
+        assert _close(model(x), _replayed(captured, x))
+
+
+def test_a_buffer_reassigned_in_forward_is_refused():
+    with pytest.raises(CaptureError, match="does not update buffer 'calls'"):
+        capture_graph(_Counter(), (torch.randn(4, 4),))
+
+
+def test_a_hugging_face_cache_output_asks_to_turn_the_cache_off():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(CaptureError, match=r"returns a DynamicCache.*use_cache = False"):
+        capture_graph(model, (tokens(4).tensors[0],))
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+def test_a_changed_non_tensor_argument_is_refused_at_bind():
+    captured = capture_graph(_Scaled(), (torch.randn(4, 4),))
+    captured.bind((torch.randn(2, 4),), {"scale": 1.0})
+    with pytest.raises(ValueError, match=r"captured with the argument value 1.0 and is now called with 2.0"):
+        captured.bind((torch.randn(4, 4),), {"scale": 2.0})
