@@ -1,12 +1,15 @@
 """Lightning's "ddp" against "deeppool" (automatic plan) and deeppool at full width, side by side.
 
-A VGG-like model (cheap convolutions, a ~13M-parameter linear head) at global batch 32 on 2 CPU
-ranks (one thread each). Each configuration runs as its own `python benchmarks/vs_ddp.py --run`
-process (Lightning's popen launcher starts the second rank); runs alternate between configurations
-and the steady-state step time is the median over steps after warm-up, then over runs. Writes
-`benchmarks/results/vs_ddp.json`.
+Models, each at global batch 32 on 2 CPU ranks (one thread each):
+- `vgg`: a VGG-like model (cheap convolutions, a ~13M-parameter linear head);
+- `gpt`: Hugging Face GPT-2 (2 layers, width 128) with a 32k-token vocabulary, its embedding tied
+  to the output head (4.1M parameters there), on 32-token sequences.
+Each configuration runs as its own `python benchmarks/vs_ddp.py --run` process (Lightning's popen
+launcher starts the second rank); runs alternate between configurations and the steady-state step
+time is the median over steps after warm-up, then over runs. Writes `benchmarks/results/vs_ddp.json`
+with, per model and configuration, step times, the plan's prediction and table, and peak memory.
 
-    python benchmarks/vs_ddp.py [--runs 3] [--steps 30]
+    python benchmarks/vs_ddp.py [--models vgg gpt] [--runs 3] [--steps 30]
 """
 
 from __future__ import annotations
@@ -60,6 +63,47 @@ class VGGLike(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
+class GPTLanguageModel(pl.LightningModule):
+    """Hugging Face GPT-2: 2 layers of width 128, a 32k vocabulary, tied embedding and head."""
+
+    vocab = 32000
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=self.vocab, n_positions=32, n_embd=128, n_layer=2, n_head=4, use_cache=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        logits = self(ids)[:, :-1]
+        return nn.functional.cross_entropy(logits.reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def _images(samples: int) -> TensorDataset:
+    return TensorDataset(torch.randn(samples, 3, 32, 32), torch.randint(0, 10, (samples,)))
+
+
+def _tokens(samples: int) -> TensorDataset:
+    return TensorDataset(torch.randint(0, GPTLanguageModel.vocab, (samples, 32)))
+
+
+MODELS = {
+    "vgg": (VGGLike, _images, "VGG-like, 12.6M-param head"),
+    "gpt": (GPTLanguageModel, _tokens, "HF GPT-2, 2 layers x 128, 32k vocabulary tied to the head, 32 tokens"),
+}
+
+
 class StepTimer(pl.Callback):
     """Wall time between consecutive training-batch starts (everything a step costs)."""
 
@@ -80,12 +124,12 @@ class StepTimer(pl.Callback):
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**28), "MALLOC_TRIM_THRESHOLD_": str(2**28)}
 
 
-def run_one(config: str, steps: int, out: Path) -> None:
+def run_one(model_name: str, config: str, steps: int, out: Path) -> None:
     """One training run (the launcher starts the second rank by running this script again)."""
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    samples = 16 * 2 * (steps + 2)
-    data = TensorDataset(torch.randn(samples, 3, 32, 32), torch.randint(0, 10, (samples,)))
+    make_model, make_data, _ = MODELS[model_name]
+    data = make_data(16 * 2 * (steps + 2))
     if config == "ddp":
         strategy: object = "ddp"
     else:
@@ -103,7 +147,7 @@ def run_one(config: str, steps: int, out: Path) -> None:
         enable_model_summary=False,
         callbacks=[timer],
     )
-    trainer.fit(VGGLike(), DataLoader(data, batch_size=16))
+    trainer.fit(make_model(), DataLoader(data, batch_size=16))
     warm = timer.times[5:]
     result = {
         "config": config,
@@ -115,6 +159,7 @@ def run_one(config: str, steps: int, out: Path) -> None:
     if plan_obj is not None:
         result["predicted_step_time_s"] = plan_obj.predicted_step_time_s
         result["widths"] = plan_obj.widths()
+        result["plan_table"] = plan_obj.table()
     per_rank = out.with_suffix(f".rank{trainer.global_rank}.json")
     per_rank.write_text(json.dumps(result))
 
@@ -123,44 +168,50 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        run_one(args.run, args.steps, args.out)
+        run_one(args.model, args.run, args.steps, args.out)
         return
 
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for model_name in args.models:
+        results[model_name] = _measure(model_name, args.runs, args.steps)
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(results, indent=1))
+    for model_name in args.models:
+        summary = results[model_name]
+        for config in CONFIGS:
+            entry = summary[config]
+            print(f"{model_name} {config}: {entry['step_time_ms']:.1f} ms, {entry['speedup_vs_ddp']:.2f}x DDP")
+        print(summary["deeppool"].get("plan_table", ""))
+
+
+def _measure(model_name: str, runs: int, steps: int) -> dict:
+    """Alternating runs of every configuration; their summary."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **FIXED_MALLOC}
     samples: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
-        for run in range(args.runs):
+        for run in range(runs):
             for config in CONFIGS:
                 out = Path(tmp) / f"{config}-{run}"
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--run",
-                    config,
-                    "--steps",
-                    str(args.steps),
-                    "--out",
-                    str(out),
-                ]
+                cmd = [sys.executable, __file__, "--model", model_name, "--run", config]
+                cmd += ["--steps", str(steps), "--out", str(out)]
                 subprocess.run(cmd, check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL)
                 files = sorted(Path(tmp).glob(f"{config}-{run}.rank*.json"))
                 ranks = [json.loads(p.read_text()) for p in files]
                 samples[config].append({"ranks": ranks})
                 times = ", ".join(f"{r['step_time_s'] * 1e3:.1f} ms" for r in ranks)
-                print(f"run {run} {config}: {times}", flush=True)
-    summary = _summarize(samples)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary, indent=1))
+                print(f"{model_name} run {run} {config}: {times}", flush=True)
+    return _summarize(model_name, samples)
 
 
-def _summarize(samples: dict[str, list[dict]]) -> dict:
+def _summarize(model_name: str, samples: dict[str, list[dict]]) -> dict:
     def step_time(config: str) -> float:
         # A step ends when the slowest rank ends: take the max over ranks, the median over runs.
         return statistics.median(max(r["step_time_s"] for r in s["ranks"]) for s in samples[config])
@@ -171,9 +222,7 @@ def _summarize(samples: dict[str, list[dict]]) -> dict:
         return [statistics.median(s["ranks"][i]["peak_rss_mb"] for s in runs) for i in range(ranks)]
 
     ddp = step_time("ddp")
-    summary: dict = {
-        "setup": "2 CPU ranks (1 thread each), gloo, global batch 32, VGG-like, 12.6M-param head"
-    }
+    summary: dict = {"setup": f"2 CPU ranks (1 thread each), gloo, global batch 32, {MODELS[model_name][2]}"}
     for config in CONFIGS:
         entry = {"step_time_ms": step_time(config) * 1e3, "speedup_vs_ddp": ddp / step_time(config)}
         entry["peak_rss_mb_per_rank"] = peak_rss(config)
@@ -182,6 +231,7 @@ def _summarize(samples: dict[str, list[dict]]) -> dict:
             entry["predicted_step_time_ms"] = statistics.median(predicted) * 1e3
             entry["measured_over_predicted"] = step_time(config) / statistics.median(predicted)
             entry["widths"] = samples[config][-1]["ranks"][0]["widths"]
+            entry["plan_table"] = samples[config][-1]["ranks"][0]["plan_table"]
         summary[config] = entry
     return summary
 
