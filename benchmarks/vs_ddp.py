@@ -100,7 +100,11 @@ def _tokens(samples: int) -> TensorDataset:
 
 MODELS = {
     "vgg": (VGGLike, _images, "VGG-like, 12.6M-param head"),
-    "gpt": (GPTLanguageModel, _tokens, "HF GPT-2, 2 layers x 128, 32k vocabulary tied to the head, 32 tokens"),
+    "gpt": (
+        GPTLanguageModel,
+        _tokens,
+        "HF GPT-2, 2 layers x 128, 32k vocabulary tied to the head, 32 tokens",
+    ),
 }
 
 
@@ -188,7 +192,9 @@ def main() -> None:
         summary = results[model_name]
         for config in CONFIGS:
             entry = summary[config]
-            print(f"{model_name} {config}: {entry['step_time_ms']:.1f} ms, {entry['speedup_vs_ddp']:.2f}x DDP")
+            print(
+                f"{model_name} {config}: {entry['step_time_ms']:.1f} ms, {entry['speedup_vs_ddp']:.2f}x DDP"
+            )
         print(summary["deeppool"].get("plan_table", ""))
 
 

@@ -40,9 +40,9 @@ def _fit(model: pl.LightningModule, root: str, **trainer: Any) -> None:
     strategy = DeepPoolStrategy(
         plan={"": 2, "head": 1}, start_method="spawn", cache_dir=False, profile_warmup=0, profile_repeats=1
     )
-    pl.Trainer(**trainer_kwargs(devices=2, strategy=strategy, default_root_dir=root, max_steps=3, **trainer)).fit(
-        model, DataLoader(images(64), batch_size=8)
-    )
+    pl.Trainer(
+        **trainer_kwargs(devices=2, strategy=strategy, default_root_dir=root, max_steps=3, **trainer)
+    ).fit(model, DataLoader(images(64), batch_size=8))
 
 
 def test_a_rank_one_call_of_stale_layers_asks_for_rank_zero(tmp_path):

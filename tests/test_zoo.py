@@ -47,7 +47,9 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
         outcome: dict[str, Any] = {}
         if case.reference == "ddp":
             ddp = _fresh(case, inits[name])
-            trainer = pl.Trainer(**trainer_kwargs(devices=world, strategy="ddp", default_root_dir=root, **_trainer(case)))
+            trainer = pl.Trainer(
+                **trainer_kwargs(devices=world, strategy="ddp", default_root_dir=root, **_trainer(case))
+            )
             trainer.fit(ddp, DataLoader(data, batch_size=case.local_batch))
             outcome["ddp"] = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
         model = _fresh(case, inits[name])
@@ -56,7 +58,9 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
             plan=case.pins[world], cache_dir=False, profile_warmup=0, profile_repeats=1, **case.strategy
         )
         trainer = pl.Trainer(
-            **trainer_kwargs(devices=world, strategy=strategy, callbacks=callbacks, default_root_dir=root, **_trainer(case))
+            **trainer_kwargs(
+                devices=world, strategy=strategy, callbacks=callbacks, default_root_dir=root, **_trainer(case)
+            )
         )
         trainer.fit(model, DataLoader(data, batch_size=case.local_batch))
         assert strategy.plan is not None
@@ -99,7 +103,7 @@ def zoo(request, tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_trains_to_the_reference_weights_with_mixed_widths(zoo, name):
-    world, references, results = zoo
+    _, references, results = zoo
     ranks = results[name]
     assert ranks[0]["steps"] > 0
     assert len(ranks[0]["widths"]) >= 2, ranks[0]["widths"]

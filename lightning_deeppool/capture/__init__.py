@@ -62,7 +62,9 @@ def capture_graph(
         with torch.enable_grad(), preserved(module):
             outputs = type(module).forward(module, **mapping)
     except Exception as err:
-        raise CaptureError(f"running {type(module).__name__}.forward on the example batch failed: {err}") from err
+        raise CaptureError(
+            f"running {type(module).__name__}.forward on the example batch failed: {err}"
+        ) from err
     _check_outputs(module, outputs)
     trace = _trace(module, mapping, leaf_modules)
     call = CallSignature(
@@ -96,15 +98,23 @@ def _record(
         try:
             module.get_submodule(name)
         except AttributeError:
-            raise CaptureError(f"leaf_modules names {name!r}, which is not a submodule of the planned module") from None
+            raise CaptureError(
+                f"leaf_modules names {name!r}, which is not a submodule of the planned module"
+            ) from None
     try:
         with torch.enable_grad(), preserved(module):
             return trace_by_recording(module, mapping, leaf_modules)
     except CaptureError as err:
         if export_error is None:
             raise
-        first = str(export_error).strip().splitlines()[0] if str(export_error).strip() else type(export_error).__name__
-        raise CaptureError(f"{err}\n(torch.export failed first: {type(export_error).__name__}: {first})") from err
+        first = (
+            str(export_error).strip().splitlines()[0]
+            if str(export_error).strip()
+            else type(export_error).__name__
+        )
+        raise CaptureError(
+            f"{err}\n(torch.export failed first: {type(export_error).__name__}: {first})"
+        ) from err
 
 
 def _distinct(mapping: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +134,9 @@ def _distinct(mapping: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_arguments(module: nn.Module, mapping: dict[str, Any]) -> None:
-    leaves = [leaf for leaf in pytree.tree_leaves(mapping) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    leaves = [
+        leaf for leaf in pytree.tree_leaves(mapping) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+    ]
     if not leaves:
         raise CaptureError(
             f"{type(module).__name__}.forward receives no tensor with a batch dimension; deeppool splits the "
@@ -148,6 +160,8 @@ def _check_outputs(module: nn.Module, outputs: Any) -> None:
             else ""
         )
         raise CaptureError(
-            f"{type(module).__name__}.forward returns a {type(leaf).__name__} at {pytree.keystr(path) or 'the top'}, "
-            f"which deeppool cannot split by sample; return tensors (or tuples, lists and dicts of them).{hint}"
+            f"{type(module).__name__}.forward returns a {type(leaf).__name__} at "
+            f"{pytree.keystr(path) or 'the top'}, "
+            "which deeppool cannot split by sample; return tensors (or tuples, lists and dicts of "
+            f"them).{hint}"
         )

@@ -79,11 +79,14 @@ def check_per_sample(captured: CapturedGraph, module: nn.Module, mapping: dict[s
                     f"layer {layer!r} mixes samples: the output of node {node.name!r} ({describe(node)})"
                     f"{where(node)} for one sample changes when another sample of the batch changes. "
                     "deeppool splits the batch across devices, so forward must treat samples independently "
-                    "(BatchNorm is the documented exception); move batch-level computations into training_step"
+                    "(BatchNorm is the documented exception); move batch-level computations into "
+                    "training_step"
                 )
 
 
-def _run_nodes(captured: CapturedGraph, inputs: Mapping[str, Any], local: Mapping[str, Any]) -> dict[str, Any]:
+def _run_nodes(
+    captured: CapturedGraph, inputs: Mapping[str, Any], local: Mapping[str, Any]
+) -> dict[str, Any]:
     """Every node's value in graph order, batch statistics taken from running statistics."""
     env: dict[str, Any] = {BATCH_SIZE: 2, **local, **inputs}
     gm = captured.module
@@ -151,5 +154,3 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
     return (a.float() - b.float()).abs().max().item()
-
-

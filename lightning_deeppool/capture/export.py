@@ -93,16 +93,22 @@ def _rewrite(program: ExportedProgram, mapping: dict[str, Any]) -> Trace:
             if shape and isinstance(shape[0], torch.SymInt):
                 symbol = shape[0].node.expr
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            target = spec.target if spec.kind != InputKind.CONSTANT_TENSOR else f"_deeppool_constant_{len(attrs)}"
+            target = (
+                spec.target if spec.kind != InputKind.CONSTANT_TENSOR else f"_deeppool_constant_{len(attrs)}"
+            )
             attrs[target] = _state(program, spec.target)
             if spec.kind == InputKind.BUFFER:
                 buffers.add(target)
             env[node] = graph.get_attr(target)
         else:
-            raise CaptureError(f"torch.export produced an input of kind {spec.kind.name}, which deeppool cannot run")
+            raise CaptureError(
+                f"torch.export produced an input of kind {spec.kind.name}, which deeppool cannot run"
+            )
         env[node].meta = dict(node.meta)
     if symbol is None:
-        raise CaptureError("forward takes no tensor with a batch dimension: there is nothing to split by sample")
+        raise CaptureError(
+            "forward takes no tensor with a batch dimension: there is nothing to split by sample"
+        )
     for node in old.nodes:
         if node.op in ("placeholder", "output") or node.target in _DROPPED:
             continue
@@ -179,7 +185,9 @@ def _leaves(value: Any, symbol: Any, node: fx.Node) -> tuple[Leaf | None, ...]:
 def _leaf(value: Any, symbol: Any, node: fx.Node) -> Leaf | None:
     if not isinstance(value, torch.Tensor):
         return None
-    shape, batch_dims, rows = [], [], 1
+    shape: list[int] = []
+    batch_dims: list[int] = []
+    rows = 1
     for dim, size in enumerate(value.shape):
         if isinstance(size, torch.SymInt):
             expr = sympy.sympify(size.node.expr)
@@ -207,5 +215,3 @@ def _stack(meta: dict[str, tuple[str, Any]] | None) -> tuple[ModuleCall, ...]:
         _, _, index = key.rpartition("@")
         calls.append(ModuleCall(path, int(index) if "@" in key and index.isdigit() else 0))
     return tuple(calls)
-
-

@@ -99,11 +99,14 @@ class CapturedGraph:
             elif leaf is not expected and leaf != expected:
                 raise ValueError(
                     f"forward was captured with the argument value {expected!r} and is now called with "
-                    f"{leaf!r}; deeppool replays the captured forward, so non-tensor arguments must not change"
+                    f"{leaf!r}; deeppool replays the captured forward, so non-tensor arguments must not "
+                    "change"
                 )
         return env
 
-    def run_layer(self, name: str, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> Any:
+    def run_layer(
+        self, name: str, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]
+    ) -> Any:
         """Evaluate layer `name` on `values` (the values of the layers and inputs it reads) for
         `batch_size` samples; returns its value (a tuple of its output nodes' values)."""
         code = self.code[name]
@@ -188,7 +191,9 @@ def fetch_attr(module: nn.Module, target: str) -> Any:
     return functools.reduce(getattr, target.split("."), module)
 
 
-def call_mapping(signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def call_mapping(
+    signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
     """Arguments by parameter name, defaults filled in, ``**kwargs`` merged into the mapping."""
     try:
         bound = signature.bind(*args, **kwargs)

@@ -18,14 +18,22 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode
-from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError, Leaf, Trace, describe, where
+from lightning_deeppool.capture.trace import CaptureError, Leaf, Trace, describe, where
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
 
-_BATCH_STATISTICS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
-_RANDOM = {"dropout", "bernoulli", "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randperm",
-           "native_dropout", "feature_dropout", "alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-           "multinomial", "normal", "uniform_", "normal_", "scaled_dot_product_attention"}  # fmt: skip
+# Operations whose results the first-step check cannot compare with one device's.
+_BATCH_STATISTICS = {
+    "batch_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+}
+_RANDOM = {
+    "dropout", "bernoulli", "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randperm",
+    "native_dropout", "feature_dropout", "alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+    "multinomial", "normal", "uniform_", "normal_", "scaled_dot_product_attention",
+}  # fmt: skip
 
 
 def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
@@ -33,7 +41,7 @@ def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
     graph = trace.gm.graph
     _drop_dead_code(graph)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    batch_inputs = [n for n in trace.inputs if trace.leaves[n] and trace.leaves[n][0] and trace.leaves[n][0].batch_dims]
+    batch_inputs = [name for name in trace.inputs if _has_batch(trace.leaves[name])]
     local_inputs = [n for n in trace.inputs if n not in batch_inputs]
     tainted = _tainted(graph, batch_inputs)
     kinds = {n.name: _kind(trace.leaves[n.name]) if n.name in tainted else "aux" for n in nodes}
@@ -90,11 +98,16 @@ def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
             )
         )
     output_leaves = list(output.args[0])
-    sources = {owner.get(leaf.name, leaf.name) for leaf in output_leaves if isinstance(leaf, fx.Node) and leaf.name in kinds and kinds[leaf.name] != "aux"}
+    sources = {
+        owner.get(leaf.name, leaf.name)
+        for leaf in output_leaves
+        if isinstance(leaf, fx.Node) and leaf.name in kinds and kinds[leaf.name] != "aux"
+    }
     for leaf in output_leaves:
         if isinstance(leaf, fx.Node) and kinds.get(leaf.name) == "internal":
             raise CaptureError(
-                f"forward returns {leaf.name!r} ({describe(leaf)}){where(leaf)}, whose batch dimension is not "
+                f"forward returns {leaf.name!r} ({describe(leaf)}){where(leaf)}, whose batch dimension is "
+                "not "
                 "dimension 0 (or which mixes batch and other values); deeppool returns outputs to the ranks "
                 "holding their samples, so return tensors with the batch dimension first"
             )
@@ -119,8 +132,14 @@ def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
         tracer=trace.tracer,
         stochastic=bool(targets & _RANDOM),
         batch_statistics=bool(targets & _BATCH_STATISTICS),
-        _guard_nodes=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=list(graph.nodes).index)),
+        _guard_nodes=tuple(
+            sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=list(graph.nodes).index)
+        ),
     )
+
+
+def _has_batch(leaves: tuple[Leaf | None, ...]) -> bool:
+    return bool(leaves) and leaves[0] is not None and bool(leaves[0].batch_dims)
 
 
 def _tainted(graph: fx.Graph, batch_inputs: Sequence[str]) -> set[str]:
@@ -185,7 +204,9 @@ def _merge_units(units: list[list[fx.Node]], kinds: dict[str, str], graph: fx.Gr
             if not crossing:
                 continue
             users_kinds = {kinds[u.name] for u in node.users if u.name in index}
-            blocked = kinds[node.name] == "internal" or (kinds[node.name] == "per_rank" and users_kinds - {"per_rank"})
+            blocked = kinds[node.name] == "internal" or (
+                kinds[node.name] == "per_rank" and users_kinds - {"per_rank"}
+            )
             if blocked:
                 spans.append((i, max(consumers)))
     if not spans:
@@ -233,7 +254,9 @@ def _effects(
         if node.name in tainted or not _mutates_state(node):
             continue
         stack = trace.stacks.get(node.name, ())
-        same = [i for i, unit in enumerate(units) if stack and unit[0].meta.get("deeppool_unit") == stack[-1].path]
+        same = [
+            i for i, unit in enumerate(units) if stack and unit[0].meta.get("deeppool_unit") == stack[-1].path
+        ]
         later = [i for i, start in enumerate(first) if start > position[node]]
         target = same[0] if same else later[0] if later else len(units) - 1
         effects.setdefault(names[target], []).append(node)
@@ -253,7 +276,11 @@ def _in_place(node: fx.Node) -> bool:
     if schema is not None:
         return bool(schema.is_mutable)
     name = getattr(target, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name in ("_setitem", "copy_") or bool(node.kwargs.get("inplace"))
+    return (
+        (name.endswith("_") and not name.startswith("__"))
+        or name in ("_setitem", "copy_")
+        or bool(node.kwargs.get("inplace"))
+    )
 
 
 def _closure(own: Sequence[fx.Node], tainted: set[str]) -> list[fx.Node]:
@@ -267,7 +294,13 @@ def _closure(own: Sequence[fx.Node], tainted: set[str]) -> list[fx.Node]:
         found[node] = None
         stack.extend(node.all_input_nodes)
         for user in node.users:
-            if user.name not in tainted and _in_place(user) and user.args and user.args[0] is node and not _mutates_state(user):
+            if (
+                user.name not in tainted
+                and _in_place(user)
+                and user.args
+                and user.args[0] is node
+                and not _mutates_state(user)
+            ):
                 stack.append(user)
     return list(found)
 

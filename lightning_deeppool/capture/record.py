@@ -92,9 +92,7 @@ class _Tape:
     out_spec: Any = None
 
 
-def trace_by_recording(
-    module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str] = ()
-) -> Trace:
+def trace_by_recording(module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str] = ()) -> Trace:
     """Record ``module(**mapping)`` at three batch sizes and merge the recordings into a `Trace`."""
     named, input_spec = input_names(mapping)
     tapes = [_record(module, take_samples(mapping, size), named, leaf_modules) for size in SIZES]
@@ -134,7 +132,9 @@ class _Recorder(TorchFunctionMode):
         tainted = any(self.refs.get(id(t)) in self.tainted for t in tensor_args)
         leaves, spec = pytree.tree_flatten(out)
         index = len(self.tape.entries)
-        entry = _Entry(fn, template[0], template[1], spec, [], tuple(self.stack), torch.is_grad_enabled(), module)
+        entry = _Entry(
+            fn, template[0], template[1], spec, [], tuple(self.stack), torch.is_grad_enabled(), module
+        )
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves) and module is None:
             if tainted:
                 raise CaptureError(self.data_dependence(_name(fn)))
@@ -153,7 +153,8 @@ class _Recorder(TorchFunctionMode):
     def data_dependence(self, call: str) -> str:
         """The refusal of a Python value taken from batch data, naming where and what to do."""
         what = (
-            f"converts a tensor computed from the batch to a Python value ({call}){_user_line()}: its control "
+            f"converts a tensor computed from the batch to a Python value ({call}){_user_line()}: its "
+            "control "
             "flow or sizes depend on the data, which deeppool cannot split by sample."
         )
         if not self.stack:
@@ -196,7 +197,10 @@ def _record(
 ) -> _Tape:
     tape = _Tape()
     refs: dict[int, _Ref] = {}
-    for fqn, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+    for fqn, tensor in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
         refs.setdefault(id(tensor), _Ref("attr", fqn))
     flat, _ = pytree.tree_flatten(mapping)
     tainted: set[_Ref] = set()
@@ -239,11 +243,11 @@ def _module_calls(
             stack.pop()
 
     leaves = {name: root.get_submodule(name) for name in leaf_modules}
-    originals = {}
     for path, leaf in leaves.items():
-        originals[path] = leaf.forward
 
-        def call(*args: Any, _path: str = path, _forward: Callable[..., Any] = leaf.forward, **kwargs: Any) -> Any:
+        def call(
+            *args: Any, _path: str = path, _forward: Callable[..., Any] = leaf.forward, **kwargs: Any
+        ) -> Any:
             recorder.suppressed += 1
             try:
                 out = _forward(*args, **kwargs)
@@ -262,7 +266,7 @@ def _module_calls(
     finally:
         for handle in handles:
             handle.remove()
-        for path, leaf in leaves.items():
+        for leaf in leaves.values():
             del leaf.forward
 
 
@@ -273,7 +277,9 @@ def _merge(module: nn.Module, tapes: list[_Tape], named: list[tuple[str, Any]], 
     batch_node = graph.placeholder(BATCH_SIZE)
     inputs = {name: graph.placeholder(name) for name, leaf in named if isinstance(leaf, torch.Tensor)}
     leaves_info: dict[str, tuple[Leaf | None, ...]] = {
-        inputs[name].name: (Leaf(leaf.dtype, (1, *leaf.shape[1:]), (0,)) if leaf.dim() else Leaf(leaf.dtype, (), ()),)
+        inputs[name].name: (
+            Leaf(leaf.dtype, (1, *leaf.shape[1:]), (0,)) if leaf.dim() else Leaf(leaf.dtype, (), ()),
+        )
         for name, leaf in named
         if isinstance(leaf, torch.Tensor)
     }
@@ -334,14 +340,18 @@ def _merge(module: nn.Module, tapes: list[_Tape], named: list[tuple[str, Any]], 
             leaves_info[out.name] = (_leaf_info(values, position),)
             stacks[out.name] = entry.stack
         stacks[node.name] = entry.stack
-        leaves_info.setdefault(node.name, tuple(_leaf_info([t.entries[i].out_leaves[j] for t in tapes], position) for j in range(len(entry.out_leaves))))
+        leaves_info.setdefault(
+            node.name,
+            tuple(
+                _leaf_info([t.entries[i].out_leaves[j] for t in tapes], position)
+                for j in range(len(entry.out_leaves))
+            ),
+        )
         if entry.guard is not None or (entry.module is None and not entry.out_leaves):
             check = graph.call_function(check_guard, (node, entry.guard, f"{_name(entry.fn)}{entry.where}"))
             guards.append(check.name)
             stacks[check.name] = entry.stack
-    outputs = [
-        arg([t.outputs[j] for t in tapes], f"output {j}") for j in range(len(first.outputs))
-    ]
+    outputs = [arg([t.outputs[j] for t in tapes], f"output {j}") for j in range(len(first.outputs))]
     graph.output(outputs)
     for node in graph.nodes:
         if node.op == "call_module":
@@ -379,7 +389,18 @@ def _leaf_of(value: Any, index: int) -> Any:
     return pytree.tree_leaves(value)[index]
 
 
-_LITERALS = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_LITERALS = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    type(Ellipsis),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 def _literal(value: Any) -> bool:
@@ -402,7 +423,8 @@ def _fit(values: list[Any], position: str) -> tuple[int, int]:
     """Integer scale and offset with ``value == scale * size + offset`` at every recorded size."""
     if any(isinstance(v, float) for v in values):
         raise CaptureError(
-            f"the forward passes a number computed from the batch size to {position} ({values} at batch sizes "
+            f"the forward passes a number computed from the batch size to {position} ({values} at batch "
+            "sizes "
             f"{list(SIZES)}); deeppool can only rescale integers that grow linearly with the batch"
         )
     (s0, s1), (v0, v1) = SIZES[:2], values[:2]
@@ -410,7 +432,8 @@ def _fit(values: list[Any], position: str) -> tuple[int, int]:
     offset = v0 - scale * s0
     if rest or any(v != scale * s + offset for s, v in zip(SIZES, values)):
         raise CaptureError(
-            f"the forward passes {values} to {position} at batch sizes {list(SIZES)}: not a linear function of "
+            f"the forward passes {values} to {position} at batch sizes {list(SIZES)}: not a linear function "
+            "of "
             "the batch size, so deeppool cannot rescale it for a shard of the batch"
         )
     return scale, offset

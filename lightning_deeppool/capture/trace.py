@@ -33,11 +33,7 @@ class ModuleCall(NamedTuple):
     """One call of a submodule: its qualified name and which call of it this is (0, 1, ...)."""
 
     path: str
-    index: int
-
-    @property
-    def label(self) -> str:
-        return self.path if self.index == 0 else f"{self.path}@{self.index}"
+    occurrence: int
 
 
 @dataclass(frozen=True)

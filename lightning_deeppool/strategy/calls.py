@@ -87,8 +87,10 @@ class CallAgreement:
                         return self._decide(decision, "local")
                 if time.monotonic() - start > _GIVE_UP_S:
                     raise RuntimeError(
-                        f"deeppool: rank {self.rank} waited {_GIVE_UP_S:.0f} s for the other ranks to call the "
-                        f"model at {site} or to finish the step; a rank may be blocked in a collective deeppool "
+                        f"deeppool: rank {self.rank} waited {_GIVE_UP_S:.0f} s for the other ranks to call "
+                        "the "
+                        f"model at {site} or to finish the step; a rank may be blocked in a collective "
+                        "deeppool "
                         "does not see (a torch.distributed call in training_step)"
                     )
                 time.sleep(pause)
@@ -101,7 +103,7 @@ class CallAgreement:
         return self.store.compare_set(decision, "", value) == b"collective"
 
     def _stuck(self, key: str, states: list[bytes]) -> str:
-        """"stuck" when no other rank can still arrive at `key` and this rank is the one to decide,
+        """ "stuck" when no other rank can still arrive at `key` and this rank is the one to decide,
         "blocked" when that depends on ranks blocked in a collective, else "" (keep waiting)."""
         waiting, blocked = [], False
         for rank, raw in enumerate(states):

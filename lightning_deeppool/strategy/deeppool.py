@@ -37,7 +37,7 @@ from lightning_deeppool.strategy.amp import make_scaler_agree
 from lightning_deeppool.strategy.calls import CallAgreement
 from lightning_deeppool.strategy.forward_calls import ForwardCalls
 from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.install import Installer, Installation
+from lightning_deeppool.strategy.install import Installation, Installer
 from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 class ForwardCalls:
     """Replaces `target.forward` on this rank (see the module docstring) until `close`."""
 
-    def __init__(self, strategy: DeepPoolStrategy, target: nn.Module, agreement: CallAgreement | None) -> None:
+    def __init__(
+        self, strategy: DeepPoolStrategy, target: nn.Module, agreement: CallAgreement | None
+    ) -> None:
         self.strategy = strategy
         self.target = target
         self.agreement = agreement
@@ -96,7 +98,8 @@ class ForwardCalls:
                 f"deeppool: rank {rank} called {type(self.target).__name__}.forward outside the planned "
                 "calls of the training step (in a callback or hook, or in a call only some ranks make). "
                 f"Rank {rank} updates only the layers it runs, so its copy of the others is out of date "
-                "until validation or the end of fit. Make that call on rank 0 (`if trainer.is_global_zero:`), "
+                "until validation or the end of fit. Make that call on rank 0 (`if "
+                "trainer.is_global_zero:`), "
                 "which holds every parameter, or in validation_step"
             )
         outputs = self._original(*args, **kwargs)
@@ -146,7 +149,9 @@ class ForwardCalls:
 
     def after_optimizer_step(self) -> None:
         installation = self.strategy.installation
-        if installation is not None and not all(w == installation.plan.world_size for w in installation.widths.values()):
+        if installation is not None and not all(
+            w == installation.plan.world_size for w in installation.widths.values()
+        ):
             self.stale_anywhere = True
             self.stale = not installation.owns_everything(self.strategy.global_rank)
 
@@ -180,4 +185,3 @@ def _guard_backward(outputs: Any, message: str) -> Any:
     for i, t in zip(positions, guarded):
         leaves[i] = t
     return pytree.tree_unflatten(leaves, spec)
-

@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_deeppool.strategy.schedule import Bucket
 
+
 class GradSync:
     """Reduces this rank's fresh gradients: schedule buckets among their owners, `local` parameters
     (only this rank owns them) by division, `world` parameters (used outside the planned forward) over
@@ -202,7 +203,7 @@ class GradSync:
         self._reduced.add(name)
 
     def _group(self, width: int) -> dist.ProcessGroup | None:
-        return self.groups[width] if width in self.groups else None
+        return self.groups.get(width)
 
     def _finish(self) -> None:
         for work, flat, parts in self._pending:
@@ -228,7 +229,9 @@ class GradSync:
         """From now on reduce these parameters over every rank: they are used outside the planned
         forward too, so every rank contributes to their gradients."""
         chosen = set(names)
-        self.buckets = [Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets]
+        self.buckets = [
+            Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets
+        ]
         self.local = [n for n in self.local if n not in chosen]
         self.world += [n for n in names if n not in self.world]
 
@@ -245,4 +248,3 @@ class GradSync:
             for handle in handles:
                 handle.remove()
         self._hooks.clear()
-

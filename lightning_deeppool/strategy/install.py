@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -72,9 +71,13 @@ class Installer:
         captured = on_every_rank(lambda: capture_graph(target, args, kwargs, leaf_modules=self.leaf_modules))
         _check_same_capture(captured)
         if plan is None:
-            plan = self._plan(captured, captured.bind(args, kwargs), global_batch, device, optimizers, log_dir)
+            plan = self._plan(
+                captured, captured.bind(args, kwargs), global_batch, device, optimizers, log_dir
+            )
         plan.check_matches(captured.graph, world_size)
-        return Installation.build(root, captured, plan, device=device, idle=idle, bucket_bytes=self.bucket_bytes)
+        return Installation.build(
+            root, captured, plan, device=device, idle=idle, bucket_bytes=self.bucket_bytes
+        )
 
     def _plan(
         self,
@@ -87,8 +90,8 @@ class Installer:
     ) -> Plan:
         world_size = dist.get_world_size()
         if isinstance(self.plan_source, str | Path):
-            path = Path(self.plan_source)
-            return on_every_rank(lambda: Plan.load(path))
+            source = Path(self.plan_source)
+            return on_every_rank(lambda: Plan.load(source))
         pins = self.plan_source if isinstance(self.plan_source, Mapping) else None
         cache_dir = None if self.cache_dir is False else Path(self.cache_dir or default_cache_dir())
         self.profile = profile_on_ranks(
@@ -114,13 +117,19 @@ class Installer:
                 memory_budget_bytes=self.memory_budget_bytes,
             )
         )
-        path = Path(self.save_plan) if self.save_plan else Path(log_dir) / "deeppool_plan.json" if log_dir else None
+        path = self._plan_path(log_dir)
         if dist.get_rank() == 0:
             print(plan.table(), flush=True)
             if path is not None:
                 plan.save(path)
                 print(f"deeppool: plan written to {path}", flush=True)
         return plan
+
+    def _plan_path(self, log_dir: str | None) -> Path | None:
+        """`save_plan`, else the run's log directory, else nowhere."""
+        if self.save_plan:
+            return Path(self.save_plan)
+        return Path(log_dir) / "deeppool_plan.json" if log_dir else None
 
 
 @dataclass
@@ -166,8 +175,8 @@ class Installation:
         widths.update(dict.fromkeys(unplanned, world_size))
         groups = PlanGroups([*schedule.param_widths.values(), world_size], world_size)
         uses: dict[str, int] = {}
-        for names in captured.layer_params.values():
-            for name in names:
+        for used_by_layer in captured.layer_params.values():
+            for name in used_by_layer:
                 uses[name] = uses.get(name, 0) + 1
         grad_sync = GradSync(
             {**params, **unplanned},
@@ -194,7 +203,9 @@ class Installation:
     def owns_everything(self, rank: int) -> bool:
         return all(rank < width for width in self.widths.values())
 
-    def sync(self, optimizers: Sequence[torch.optim.Optimizer], optimizer: torch.optim.Optimizer | None = None) -> None:
+    def sync(
+        self, optimizers: Sequence[torch.optim.Optimizer], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
         """Reduce fresh gradients (of `optimizer`'s parameters, if given). Collective."""
         if not self.settled:
             self._settle(optimizers)
@@ -211,7 +222,11 @@ class Installation:
         flags = flags.to(self.runtime.device)
         if len(names):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        outside = [name for name, flag in zip(names, flags.tolist()) if flag and self.widths[name] < dist.get_world_size()]
+        outside = [
+            name
+            for name, flag in zip(names, flags.tolist())
+            if flag and self.widths[name] < dist.get_world_size()
+        ]
         self.grad_sync.reduce_over_world(outside)
         for name in outside:
             self.widths[name] = dist.get_world_size()
@@ -228,7 +243,9 @@ class Installation:
         self.groups.destroy()
 
 
-def _global_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, idle: IdleWindows) -> int:
+def _global_batch_size(
+    args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, idle: IdleWindows
+) -> int:
     """Sum of the ranks' sample counts (tensor arguments are batches). Collective."""
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
     counts: list[Any] = [None] * world_size

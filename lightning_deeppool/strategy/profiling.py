@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_deeppool.planner.cache import load_cached_profile, profile_cache_key, save_cached_profile
 from lightning_deeppool.capture import CapturedGraph
+from lightning_deeppool.planner.cache import load_cached_profile, profile_cache_key, save_cached_profile
 from lightning_deeppool.planner.profile import Profile
 from lightning_deeppool.planner.profiler import (
     assign_layers,

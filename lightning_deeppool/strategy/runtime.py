@@ -10,7 +10,7 @@ code before the planned module).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,10 +146,15 @@ class BurstRuntime:
         captured = [(m.leaves[0].shape, m.leaves[0].dtype) for m in (self.captured.meta[n] for n in batch)]
         if [(tuple(t.shape[1:]), t.dtype) for t in batch.values()] != captured:
             raise ValueError(
-                f"the planned forward was captured for inputs of per-sample shapes and dtypes {captured}; this "
+                f"the planned forward was captured for inputs of per-sample shapes and dtypes {captured}; "
+                "this "
                 "step's inputs differ. The captured graph is specialized to them: pad inputs to a fixed shape"
             )
-        key = (signature, torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
+        key = (
+            signature,
+            torch.is_autocast_enabled(self.device.type),
+            torch.get_autocast_dtype(self.device.type),
+        )
         if key not in self._meta:
             self._meta[key] = self._propagate_meta(batch, local)
         return tuple(row[0] for row in rows), self._meta[key]
@@ -329,7 +334,11 @@ class BurstRuntime:
         flat: list[torch.Tensor | None] | None = None
         if src[self.rank] > 0:
             flat = [
-                (g if g is not None else torch.zeros(leaf.tensor_shape(src[self.rank]), dtype=leaf.dtype, device=self.device))
+                (
+                    g
+                    if g is not None
+                    else torch.zeros(leaf.tensor_shape(src[self.rank]), dtype=leaf.dtype, device=self.device)
+                )
                 if floating[i]
                 else None
                 for i, (leaf, g) in enumerate(zip(meta.leaves, pending or [None] * len(meta.leaves)))

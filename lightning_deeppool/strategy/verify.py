@@ -36,7 +36,9 @@ def first_difference(captured: CapturedGraph, step: Any, inputs: dict[str, Any])
         if layer.name not in planned:
             continue
         meta = captured.meta[layer.name]
-        pairs = zip(pytree.tree_leaves(planned[layer.name]), pytree.tree_leaves(reference[layer.name]), meta.leaves)
+        pairs = zip(
+            pytree.tree_leaves(planned[layer.name]), pytree.tree_leaves(reference[layer.name]), meta.leaves
+        )
         for got, want, leaf in pairs:
             if not meta.per_rank:
                 got, want = samples_view(got, leaf)[:count], samples_view(want, leaf)[:count]
