@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_deeppool import DeepPoolStrategy, Plan
 from lightning_deeppool.capture import capture_graph
@@ -40,6 +40,25 @@ class BranchingMLP(MLP):
         return self.head(y) if y.mean() > 0 else self.head(-y)
 
 
+class Batches(IterableDataset):
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class MixingMLP(MLP):
+    """Subtracts the batch mean: samples are not independent."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x.flatten(1))
+        return self.head(y - y.mean(0, keepdim=True))
+
+
 class NoForwardMLP(MLP):
     """training_step uses the layers directly and never calls self(...)."""
 
@@ -56,9 +75,13 @@ def _plan_for(model: nn.Module, world_size: int) -> Plan:
     return Plan(world_size, 16, 2.0, 0.0, 0.0, graph.fingerprint, layers)
 
 
-def _fit_error(model: pl.LightningModule, root: str, data: Any = None, **strategy: Any) -> str:
+def _fit_error(
+    model: pl.LightningModule, root: str, data: Any = None, steps: int = 1, **strategy: Any
+) -> str:
     strategy = DeepPoolStrategy(cache_dir=False, profile_warmup=0, profile_repeats=1, **strategy)
-    trainer = pl.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=1, default_root_dir=root))
+    trainer = pl.Trainer(
+        **trainer_kwargs(devices=2, strategy=strategy, max_steps=steps, default_root_dir=root)
+    )
     try:
         trainer.fit(model, data or DataLoader(images(32), batch_size=8))
     except Exception as err:
@@ -75,6 +98,10 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
     torch.distributed.barrier()
     x, y = images(1).tensors
     empty = DataLoader([(x, y) if rank == 0 else (x[:0], y[:0])], batch_size=None)
+    x8, y8 = images(8).tensors
+    # Flattened, both shapes fit the MLP; the capture is specialized to the first. (An iterable
+    # dataset: every rank gets both batches, in order.)
+    reshaped = DataLoader(Batches([(x8, y8), (x8.reshape(8, 3, 4, 16), y8)]), batch_size=None)
     return {
         "untraceable submodule": _fit_error(GatedMLP(), root),
         "untraceable forward": _fit_error(BranchingMLP(), root),
@@ -83,6 +110,8 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
         "pins naming no module": _fit_error(make_model("mlp"), root, plan={"classifier": 1}),
         "global batch below world size": _fit_error(make_model("mlp"), root, data=empty),
         "training_step without forward": _fit_error(NoForwardMLP(), root, plan={"": 2}),
+        "mixes samples": _fit_error(MixingMLP(), root),
+        "per-sample shape changes": _fit_error(make_model("mlp"), root, data=reshaped, steps=2, plan={"": 2}),
     }
 
 
@@ -133,3 +162,13 @@ def test_training_step_that_skips_forward_fails_at_the_first_step(errors):
     text = _on_every_rank(errors, "training_step without forward")
     assert text.count("did not call NoForwardMLP.forward") == 2
     assert text.count("DeepPoolStrategy(module='<name>')") == 2
+
+
+def test_a_forward_that_mixes_samples_is_refused_on_every_rank(errors):
+    text = _on_every_rank(errors, "mixes samples")
+    assert text.count("mixes samples") == 2
+
+
+def test_a_batch_of_another_per_sample_shape_asks_for_padding(errors):
+    text = _on_every_rank(errors, "per-sample shape changes")
+    assert text.count("captured for inputs of per-sample shapes") == 2

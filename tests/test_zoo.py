@@ -64,6 +64,9 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
         )
         trainer.fit(model, DataLoader(data, batch_size=case.local_batch))
         assert strategy.plan is not None
+        if case.probe is not None and rank == 0:
+            with torch.no_grad():
+                outcome["prediction"] = model(case.probe())
         outcome.update(
             params=parameters(model),
             state={k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -127,3 +130,14 @@ def test_rank_zero_callback_logged_after_every_epoch(zoo):
     logged = [rank["logged"] for rank in results["rank-zero-callback-after-epoch"]]
     assert logged[0] == [2]
     assert all(c == [0] for c in logged[1:])
+
+
+def test_rank_zero_alone_predicts_with_the_trained_weights(zoo):
+    _, references, results = zoo
+    name = "rank-zero-callback-after-epoch"
+    probe = CASES[name].probe
+    assert probe is not None
+    with torch.no_grad():
+        expected = references[name](probe())
+    assert torch.allclose(results[name][0]["prediction"], expected, atol=TOLERANCE)
+    assert "prediction" not in results[name][1]

@@ -303,6 +303,7 @@ class Case:
     strategy: dict[str, Any] = field(default_factory=dict)
     callbacks: Callable[[], list[pl.Callback]] = list
     local_batch: int = 4
+    probe: Callable[[], torch.Tensor] | None = None  # rank 0 alone predicts on it after fit
 
 
 def _pins(narrow: str, middle: str) -> dict[int, dict[str, int]]:
@@ -334,6 +335,7 @@ CASES: dict[str, Case] = {
         _pins("head", "features.2"),
         trainer={"max_epochs": 2, "max_steps": -1},
         callbacks=lambda: [PredictionLogger()],
+        probe=lambda: images(3, seed=6).tensors[0],
     ),
     "model-summary-example-input": Case(
         WithSummary, images, _pins("head", "features.2"), trainer={"enable_model_summary": True}
