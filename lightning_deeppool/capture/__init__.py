@@ -55,8 +55,21 @@ def capture_graph(
     Tensor arguments are batches (dimension 0 is the sample); other arguments are constants of the
     capture. Raises `CaptureError` naming the construct that failed and what to do.
     """
+    # Captured without autocast, the graph holds no precision casts: under mixed precision each
+    # operation is cast when it runs, as in eager.
+    device_type = next((p.device.type for p in module.parameters()), "cpu")
+    with torch.autocast(device_type, enabled=False):
+        return _capture(module, example_args, example_kwargs or {}, leaf_modules)
+
+
+def _capture(
+    module: nn.Module,
+    example_args: Sequence[Any],
+    example_kwargs: Mapping[str, Any],
+    leaf_modules: Sequence[str],
+) -> CapturedGraph:
     signature = inspect.signature(type(module).forward.__get__(module))
-    mapping = _distinct(call_mapping(signature, example_args, example_kwargs or {}))
+    mapping = _distinct(call_mapping(signature, example_args, example_kwargs))
     _check_arguments(module, mapping)
     try:
         with torch.enable_grad(), preserved(module):

@@ -12,7 +12,7 @@ import functools
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,8 +56,10 @@ class CapturedGraph:
     `module` holds the graph; its parameters and buffers are the planned module's own tensors.
     `batch_inputs` are the graph inputs that carry the batch (dimension 0), `local_inputs` the 0-d
     tensor arguments every layer receives as they are. `meta[name]` describes each layer's value and
-    each batch input, as seen on the example batch. `guards` are checks of captured branches, run once
-    per call.
+    each batch input, as seen on the example batch. `guards` are the nodes that check branches the
+    forward took at capture (with the nodes they read, in graph order), run once per call.
+    `stochastic` and `batch_statistics` say whether the graph draws random numbers or normalizes by
+    batch statistics.
     """
 
     module: fx.GraphModule
@@ -74,11 +76,6 @@ class CapturedGraph:
     guards: tuple[fx.Node, ...] = ()
     stochastic: bool = False
     batch_statistics: bool = False
-    _guard_nodes: tuple[fx.Node, ...] = field(default=(), repr=False)
-
-    @property
-    def layer_nodes(self) -> dict[str, list[fx.Node]]:
-        return {name: list(code.nodes) for name, code in self.code.items()}
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Graph inputs of a call: ``{input name: tensor}``. Raises ValueError naming what differs
@@ -120,7 +117,7 @@ class CapturedGraph:
     def run_guards(self, local: Mapping[str, Any]) -> None:
         """Check the branches the forward took at capture still hold (raises `GuardError`)."""
         env: dict[str, Any] = {BATCH_SIZE: 1, **local}
-        for node in self._guard_nodes:
+        for node in self.guards:
             env[node.name] = evaluate(self.module, node, env)
 
     def forward_outputs(self, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> Any:

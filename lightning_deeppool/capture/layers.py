@@ -132,9 +132,7 @@ def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
         tracer=trace.tracer,
         stochastic=bool(targets & _RANDOM),
         batch_statistics=bool(targets & _BATCH_STATISTICS),
-        _guard_nodes=tuple(
-            sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=list(graph.nodes).index)
-        ),
+        guards=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=list(graph.nodes).index)),
     )
 
 
