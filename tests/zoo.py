@@ -3,8 +3,8 @@
 Language models from Lightning's demos, Hugging Face `transformers` (built from small configs, nothing
 downloaded) and `torch.nn`; a BatchNorm ResNet; and the ways Lightning projects call their models:
 two forwards per step, a rank-0-only forward in `training_step` and in a callback, a model summary
-with `example_input_array`, manual optimization with two optimizers, frozen, tied and
-outside-forward parameters, trainable code before the planned module. No dropout, SGD everywhere.
+with `example_input_array`, manual optimization with two optimizers, a dict of inputs, frozen, tied
+and outside-forward parameters, trainable code before the planned module. No dropout, SGD everywhere.
 """
 
 from __future__ import annotations
@@ -261,6 +261,23 @@ class GAN(pl.LightningModule):
         )
 
 
+class DictInput(Classifier):
+    """forward takes a dict of two inputs (an image and a per-sample scale)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 8 * 8, CLASSES)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        features = torch.relu(self.conv(batch["image"])) * batch["scale"][:, None, None, None]
+        return self.head(features.flatten(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self({"image": x, "scale": x.mean((1, 2, 3)).sigmoid()}), y)
+
+
 class FrozenBody(MLP):
     """The first hidden layer is frozen (fine-tuning)."""
 
@@ -341,6 +358,7 @@ CASES: dict[str, Case] = {
         WithSummary, images, _pins("head", "features.2"), trainer={"enable_model_summary": True}
     ),
     "manual-optimization-gan": Case(GAN, images, _pins("generator.2", "generator.0")),
+    "dict-input-two-tensors": Case(DictInput, images, _pins("head", "conv")),
     "frozen-layer": Case(FrozenBody, images, _pins("head", "body.2")),
     "parameter-used-outside-forward": Case(PenalizedHead, images, _pins("head", "body.2")),
     "trainable-code-before-planned-module": Case(
