@@ -161,7 +161,7 @@ def _capture(args: argparse.Namespace, device: torch.device) -> tuple[CapturedGr
         else torch.zeros(4, *shape, dtype=dtype, device=device)
     )
     try:
-        captured = capture_graph(model, (example,), leaf_modules=args.leaf)
+        captured = capture_graph(model, (example,), leaf_modules=args.leaf, granularity=args.granularity)
     except CaptureError as err:
         raise UsageError(str(err)) from None
     except TypeError as err:
@@ -442,6 +442,13 @@ def _model_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None
     parser.add_argument("--input-dtype", default="float32", help="input dtype (default: float32)")
     parser.add_argument(
         "--leaf", action="append", default=[], metavar="NAME", help="plan a submodule as one layer"
+    )
+    parser.add_argument(
+        "--granularity",
+        choices=["layer", "module"],
+        default="layer",
+        help="layer: operations without parameters join the layer they follow (default); "
+        "module: every submodule call is a layer",
     )
     parser.add_argument(
         "--device", default=None, help="profiling device (default: cuda if available, else cpu)"

@@ -63,14 +63,14 @@ CASES = {
         3,
         {"": 3, "features.2": 2, "head": 1},
         trainer={"max_steps": 4, "gradient_clip_val": 0.5},
-        expected_widths={"features_0": 3, "features_2": 2, "features_3": 3, "head": 1},
+        expected_widths={"features_0": 3, "features_2": 2, "head": 1},
     ),
     "resnet-4-ranks-widths-3-2-1-accumulate": Case(
         "resnet",
         4,
         {"": 3, "head": 1, "block2": 2},
         trainer={"max_steps": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.5},
-        expected_widths={"stem": 3, "block1_0": 3, "block2_0": 2, "block2_2": 2, "add_1": 3, "head": 1},
+        expected_widths={"stem": 3, "block1_0": 3, "block1_2": 3, "block2_0": 2, "block2_2": 2, "head": 1},
     ),
     "concat-3-ranks-automatic-plan": Case(
         "concat", 3, None, trainer={"max_steps": 4, "gradient_clip_val": 0.5}

@@ -49,17 +49,20 @@ def capture_graph(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     leaf_modules: Sequence[str] = (),
+    granularity: str = "layer",
 ) -> CapturedGraph:
     """Capture ``type(module).forward`` on an example batch and cut it into layers.
 
     Tensor arguments are batches (dimension 0 is the sample); other arguments are constants of the
-    capture. Raises `CaptureError` naming the construct that failed and what to do.
+    capture. `granularity` is ``"layer"`` (operations without parameters join the layer they follow)
+    or ``"module"`` (a layer per submodule call). Raises `CaptureError` naming the construct that
+    failed and what to do.
     """
     # Captured without autocast, the graph holds no precision casts: under mixed precision each
     # operation is cast when it runs, as in eager.
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     with torch.autocast(device_type, enabled=False):
-        return _capture(module, example_args, example_kwargs or {}, leaf_modules)
+        return _capture(module, example_args, example_kwargs or {}, leaf_modules, granularity)
 
 
 def _capture(
@@ -67,6 +70,7 @@ def _capture(
     example_args: Sequence[Any],
     example_kwargs: Mapping[str, Any],
     leaf_modules: Sequence[str],
+    granularity: str,
 ) -> CapturedGraph:
     signature = inspect.signature(type(module).forward.__get__(module))
     mapping = _distinct(call_mapping(signature, example_args, example_kwargs))
@@ -86,7 +90,7 @@ def _capture(
         constants=tuple(trace.constants),
         names=tuple(trace.leaf_names),
     )
-    captured = cut_into_layers(trace, call)
+    captured = cut_into_layers(trace, call, granularity)
     check_replay(captured, module, mapping)
     check_per_sample(captured, module, mapping)
     return captured

@@ -3,9 +3,12 @@
 Nodes that depend on the batch's data are grouped by the innermost submodule call that ran them (nodes
 of the forward itself, outside any submodule, are a layer each), in execution order. Values that cross
 from one layer to the next must carry the batch first (or be a per-rank reduction read only at full
-width); layers that exchange anything else, such as a sequence-first tensor, are merged. Auxiliary nodes
-(independent of the data) are evaluated by each layer that needs them; in-place updates of buffers run
-once, in the layer of the submodule that makes them.
+width); layers that exchange anything else, such as a sequence-first tensor, are merged. At the default
+granularity, ``"layer"``, groups without parameters (an activation, dropout, a residual add, pooling, a
+reshape) join the group whose value they read just before them: a width change around them would only
+cost a redistribution. At ``"module"`` every submodule call stays a layer. Auxiliary nodes (independent
+of the data) are evaluated by each layer that needs them; in-place updates of buffers run once, in the
+layer of the submodule that makes them.
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ _RANDOM = {
 }  # fmt: skip
 
 
-def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
+GRANULARITIES = ("layer", "module")
+
+
+def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer") -> CapturedGraph:
     """The layers of a trace; raises `CaptureError` for values that cannot be split by sample."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     graph = trace.gm.graph
     _drop_dead_code(graph)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -50,7 +58,9 @@ def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
     _check_flows(graph, kinds)
     units = _units(trace, [n for n in nodes if n.name in tainted])
     units = _merge_units(units, kinds, graph)
-    names = _unit_names(trace, units, set(trace.inputs))
+    if granularity == "layer":
+        units = _join_cheap_units(units, kinds, trace.gm)
+    names = _unit_names(units, set(trace.inputs), trace.gm)
     owner = {node.name: name for name, unit in zip(names, units) for node in unit}
     effects = _effects(trace, nodes, tainted, units, names)
     output = next(n for n in graph.nodes if n.op == "output")
@@ -84,12 +94,13 @@ def cut_into_layers(trace: Trace, call: CallSignature) -> CapturedGraph:
         layer_params[name] = used
         per_rank = any(kinds[n.name] == "per_rank" for n in unit)
         meta[name] = _layer_meta(trace, outputs, per_rank)
-        module = unit[0].meta.get("deeppool_unit")
+        first = next((n for n in unit if _has_parameters([n], trace.gm)), unit[0])
+        module = first.meta.get("deeppool_unit")
         layers.append(
             Layer(
                 name=name,
                 op="call_module" if module else "call_function",
-                target=module or describe(unit[0]).split(" ", 1)[1],
+                target=module or describe(first).split(" ", 1)[1],
                 inputs=tuple(reads),
                 sample_bytes=meta[name].sample_bytes,
                 params=sum(params[p].numel() for p in fresh),
@@ -226,11 +237,45 @@ def _merge_units(units: list[list[fx.Node]], kinds: dict[str, str], graph: fx.Gr
     return merged
 
 
-def _unit_names(trace: Trace, units: list[list[fx.Node]], taken: set[str]) -> list[str]:
+def _join_cheap_units(
+    units: list[list[fx.Node]], kinds: dict[str, str], gm: fx.GraphModule
+) -> list[list[fx.Node]]:
+    """Units without parameters join the unit just before them when they read it, or, before any unit
+    with parameters, the unit just after them when it reads them. Per-rank units join only each other."""
+    joined: list[list[fx.Node]] = []
+    for unit in units:
+        previous = joined[-1] if joined else None
+        if previous is not None and not _has_parameters(unit, gm) and _joinable(previous, unit, kinds):
+            previous.extend(unit)
+        else:
+            joined.append(list(unit))
+    while len(joined) > 1 and not _has_parameters(joined[0], gm) and _joinable(joined[0], joined[1], kinds):
+        joined[0:2] = [joined[0] + joined[1]]
+    return joined
+
+
+def _joinable(before: list[fx.Node], after: list[fx.Node], kinds: dict[str, str]) -> bool:
+    """`after` reads `before`'s values, and both are per-rank or neither is."""
+    inside = set(before)
+    reads = any(source in inside for node in after for source in node.all_input_nodes)
+    per_rank = {any(kinds[n.name] == "per_rank" for n in unit) for unit in (before, after)}
+    return reads and len(per_rank) == 1
+
+
+def _has_parameters(unit: list[fx.Node], gm: fx.GraphModule) -> bool:
+    return bool(
+        _parameters_used(gm, [*unit, *(s for n in unit for s in n.all_input_nodes if s.op == "get_attr")])
+    )
+
+
+def _unit_names(units: list[list[fx.Node]], taken: set[str], gm: fx.GraphModule) -> list[str]:
+    """Each unit is named for its first node with parameters (else its first node): its submodule
+    (dots as underscores) or, outside any submodule, the node."""
     names = []
     for unit in units:
-        module = unit[0].meta.get("deeppool_unit")
-        base = module.replace(".", "_") if module else unit[0].name
+        first = next((n for n in unit if _has_parameters([n], gm)), unit[0])
+        module = first.meta.get("deeppool_unit")
+        base = module.replace(".", "_") if module else first.name
         base = f"_{base}" if base[0].isdigit() else base
         name, n = base, 1
         while name in taken:
@@ -253,7 +298,9 @@ def _effects(
             continue
         stack = trace.stacks.get(node.name, ())
         same = [
-            i for i, unit in enumerate(units) if stack and unit[0].meta.get("deeppool_unit") == stack[-1].path
+            i
+            for i, unit in enumerate(units)
+            if stack and any(n.meta.get("deeppool_unit") == stack[-1].path for n in unit)
         ]
         later = [i for i, start in enumerate(first) if start > position[node]]
         target = same[0] if same else later[0] if later else len(units) - 1

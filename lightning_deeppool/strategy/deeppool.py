@@ -59,6 +59,8 @@ class DeepPoolStrategy(DDPStrategy):
         module: name of the submodule whose forward is planned (default: the LightningModule).
         leaf_modules: submodules planned as single layers and run as Python at every step (for code
             capture cannot follow).
+        granularity: ``"layer"`` (operations without parameters join the layer they follow) or
+            ``"module"`` (every submodule call is a layer of its own).
         profile_warmup, profile_repeats: timing runs per layer and batch size (median of repeats).
         cache_dir: profile cache (default ``$DEEPPOOL_CACHE_DIR`` or ``~/.cache/lightning_deeppool``);
             ``False`` disables caching.
@@ -76,6 +78,7 @@ class DeepPoolStrategy(DDPStrategy):
         save_plan: str | Path | None = None,
         module: str | None = None,
         leaf_modules: tuple[str, ...] | list[str] = (),
+        granularity: Literal["layer", "module"] = "layer",
         profile_warmup: int = 2,
         profile_repeats: int = 5,
         cache_dir: str | Path | Literal[False] | None = None,
@@ -112,6 +115,7 @@ class DeepPoolStrategy(DDPStrategy):
             plan_source=dict(plan) if isinstance(plan, Mapping) else plan,
             save_plan=save_plan,
             leaf_modules=tuple(leaf_modules),
+            granularity=granularity,
             profile_warmup=profile_warmup,
             profile_repeats=profile_repeats,
             cache_dir=cache_dir,

@@ -42,6 +42,7 @@ class Installer:
     plan_source: str | Path | dict[str, int] | None
     save_plan: str | Path | None
     leaf_modules: tuple[str, ...]
+    granularity: str
     profile_warmup: int
     profile_repeats: int
     cache_dir: str | Path | Literal[False] | None
@@ -68,7 +69,11 @@ class Installer:
         world_size = dist.get_world_size()
         # Before capture: a rank without samples cannot capture, and must fail with the others.
         global_batch = _global_batch_size(args, kwargs, world_size, idle)
-        captured = on_every_rank(lambda: capture_graph(target, args, kwargs, leaf_modules=self.leaf_modules))
+        captured = on_every_rank(
+            lambda: capture_graph(
+                target, args, kwargs, leaf_modules=self.leaf_modules, granularity=self.granularity
+            )
+        )
         _check_same_capture(captured)
         if plan is None:
             plan = self._plan(
