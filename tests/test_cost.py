@@ -7,6 +7,7 @@ import pytest
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.layout import balanced, busiest_rank_samples
+from lightning_deeppool.planner.profile import LayerProfile, Profile
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
@@ -25,6 +26,15 @@ def test_compute_outside_the_profiled_batches_raises_instead_of_extrapolating():
     profile = linear_profile(graph, {"l0": (1e-3, 1e-4)}, max_batch=8)
     with pytest.raises(ValueError, match=r"batch size 10 is outside the profiled range 1..8"):
         cost.compute_time(profile, graph.layers[0], 1, 10)
+
+
+def test_compute_reads_times_fitted_to_grow_with_the_batch():
+    graph = chain(1)
+    measured = LayerProfile("l0", (2, 4, 8), (3e-3, 1e-3, 4e-3))  # a noisy low point at 4 samples
+    profile = Profile(graph.fingerprint, "cpu", "float32", {"l0": measured})
+    assert cost.compute_time(profile, graph.layers[0], 2, 8) == pytest.approx(2e-3)  # (3 + 1) / 2
+    assert cost.compute_time(profile, graph.layers[0], 4, 8) == pytest.approx(2e-3)
+    assert profile.layers["l0"] == measured  # the measurements themselves are kept
 
 
 def test_sync_is_zero_on_one_device_and_the_allreduce_otherwise():

@@ -46,7 +46,15 @@ def test_candidates_in_large_worlds_are_the_smallest_width_per_batch_plus_the_wo
 @pytest.mark.parametrize("seed", range(40))
 def test_chains_are_exactly_optimal_against_brute_force(seed):
     graph, profile, world_size, batch = random_case(seed, random_chain, max_layers=5, max_world=5)
-    plan = search(graph, profile, world_size=world_size, global_batch_size=batch, amplification_limit=INF)
+    plan = search(
+        graph,
+        profile,
+        world_size=world_size,
+        global_batch_size=batch,
+        amplification_limit=INF,
+        min_gain=0,
+        tie_tolerance=0,
+    )
     best, _ = brute_force(graph, profile, world_size=world_size, global_batch_size=batch)
     assert plan.predicted_step_time_s == pytest.approx(best, rel=1e-9)
 
@@ -54,7 +62,15 @@ def test_chains_are_exactly_optimal_against_brute_force(seed):
 @pytest.mark.parametrize("seed", range(25))
 def test_dags_with_residuals_and_joins_are_within_two_percent_of_brute_force(seed):
     graph, profile, world_size, batch = random_case(seed, random_dag, max_layers=8, max_world=4)
-    plan = search(graph, profile, world_size=world_size, global_batch_size=batch, amplification_limit=INF)
+    plan = search(
+        graph,
+        profile,
+        world_size=world_size,
+        global_batch_size=batch,
+        amplification_limit=INF,
+        min_gain=0,
+        tie_tolerance=0,
+    )
     best, _ = brute_force(graph, profile, world_size=world_size, global_batch_size=batch)
     assert best * (1 - 1e-12) <= plan.predicted_step_time_s <= 1.02 * best
     assert plan.predicted_step_time_s == pytest.approx(best, rel=1e-9)  # no beam truncation at this size
@@ -105,14 +121,20 @@ def test_layers_faster_than_the_exemption_threshold_may_exceed_the_limit():
     assert strict.width("l1") == 2  # flat time: 2 devices spend exactly twice the device-time, the limit
 
 
-def test_vgg_like_head_gets_fewer_devices_than_the_convolutions():
+def vgg_like():
+    """Convolutions that scale with the batch, then a large linear head that barely does."""
     convs = [
         layer(f"features_{i}", ["x" if i == 0 else f"features_{i - 1}"], params=40_000) for i in range(4)
     ]
     head = layer("classifier", ["features_3"], sample_bytes=4000, params=13_000_000)
     graph = graph_of([*convs, head])
     times = {item.name: (20e-6, 100e-6) for item in convs} | {"classifier": (1.9e-3, 6e-6)}
-    profile = linear_profile(graph, times, max_batch=32)
+    return graph, linear_profile(graph, times, max_batch=32)
+
+
+def test_vgg_like_head_gets_fewer_devices_than_the_convolutions():
+    graph, profile = vgg_like()
+    convs = graph.layers[:-1]
     for world_size in (2, 4):
         for limit in (2.0, INF):
             plan = search(
@@ -235,9 +257,27 @@ def test_a_batch_smaller_than_the_world_is_an_error():
 
 def test_a_beam_narrower_than_the_state_space_still_returns_a_valid_plan():
     graph, profile, world_size, batch = random_case(3, random_dag, max_layers=8, max_world=4)
-    exact = search(graph, profile, world_size=world_size, global_batch_size=batch, amplification_limit=INF)
+    exact = search(
+        graph,
+        profile,
+        world_size=world_size,
+        global_batch_size=batch,
+        amplification_limit=INF,
+        min_gain=0,
+        tie_tolerance=0,
+    )
     beam = search(
         graph, profile, world_size=world_size, global_batch_size=batch, amplification_limit=INF, max_states=2
     )
     assert set(beam.widths()) == set(exact.widths())
     assert beam.predicted_step_time_s >= exact.predicted_step_time_s - 1e-12
+
+
+def test_a_plan_gaining_less_than_min_gain_over_full_width_gives_way_to_it():
+    graph, profile = vgg_like()
+    sizes = dict(world_size=4, global_batch_size=32, amplification_limit=INF)
+    burst = search(graph, profile, **sizes, min_gain=0, tie_tolerance=0)
+    gain = 1 - burst.predicted_step_time_s / burst.predicted_ddp_step_time_s
+    assert 0 < gain < 1 and set(burst.widths().values()) != {4}
+    assert search(graph, profile, **sizes, min_gain=gain + 0.01).widths() == dict.fromkeys(burst.widths(), 4)
+    assert search(graph, profile, **sizes, min_gain=gain - 0.01).widths() == burst.widths()

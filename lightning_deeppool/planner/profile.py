@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,27 @@ class LayerProfile:
         """Seconds at `batch_size`, linearly interpolated; outside the measured range it raises."""
         return _interpolate(self.name, "time", self.batch_sizes, self.seconds, batch_size)
 
+    def fitted(self) -> LayerProfile:
+        """The times fitted to a non-decreasing function of the batch size (least squares, by pooling
+        adjacent violators): a noisy measurement cannot make a layer look faster on more samples."""
+        return replace(self, seconds=tuple(nondecreasing(self.seconds)))
+
     def memory(self, batch_size: int) -> float | None:
         """Bytes at `batch_size`, interpolated like `time`; None when memory was not measured."""
         if self.peak_bytes is None:
             return None
         return _interpolate(self.name, "memory", self.batch_sizes, self.peak_bytes, batch_size)
+
+
+def nondecreasing(values: tuple[float, ...] | list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 def _interpolate(
@@ -164,10 +181,16 @@ class Profile:
     version: int = PROFILE_VERSION
 
     def layer(self, name: str) -> LayerProfile:
+        """A layer's profile as the planner reads it: fitted to be non-decreasing in the batch size
+        (`layers` keeps the raw measurements)."""
         try:
-            return self.layers[name]
+            return self._fitted[name]
         except KeyError:
             raise KeyError(f"no profile for layer {name!r}; the profile was made for another graph") from None
+
+    @cached_property
+    def _fitted(self) -> dict[str, LayerProfile]:
+        return {name: layer.fitted() for name, layer in self.layers.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -112,9 +112,11 @@ def _profile_layer(
     repeats: int,
     device: torch.device,
 ) -> LayerProfile:
+    """Median time per batch size over `repeats` rounds that each time every size once: a stretch of
+    a slower machine lands on every size alike instead of on one of them."""
     params = dict(captured.module.named_parameters())
     trainable = [params[p] for p in captured.layer_params[name] if params[p].requires_grad]
-    seconds, peaks = [], []
+    runs, peaks = [], []
     for b in sizes:
         leaves = {
             value: pytree.tree_map(_leaf_input, repeat_sample(v, captured.meta[value], b))
@@ -122,16 +124,24 @@ def _profile_layer(
         }
         wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
         run = functools.partial(_forward_backward, captured, name, local, b, wrt + trainable)
-        try:
-            median, peak = _measure(run, leaves, device, warmup, repeats)
-        except Exception as err:
-            raise RuntimeError(
-                f"profiling layer {name!r} at per-device batch size {b} failed: {err}"
-            ) from err
-        seconds.append(median)
-        peaks.append(peak)
+        runs.append((b, run, leaves))
+        peaks.append(_failing_as(name, b, functools.partial(_warm_up, run, leaves, device, warmup)))
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for position, (b, run, leaves) in enumerate(runs):
+            times[position].append(_failing_as(name, b, functools.partial(_timed_once, run, leaves, device)))
     measured_peaks = tuple(p for p in peaks if p is not None)
-    return LayerProfile(name, tuple(sizes), tuple(seconds), measured_peaks or None)
+    seconds = tuple(statistics.median(t) for t in times)
+    return LayerProfile(name, tuple(sizes), seconds, measured_peaks or None)
+
+
+def _failing_as(name: str, batch_size: int, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as err:
+        raise RuntimeError(
+            f"profiling layer {name!r} at per-device batch size {batch_size} failed: {err}"
+        ) from err
 
 
 def _two_samples(captured: CapturedGraph, env: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
@@ -154,26 +164,24 @@ def repeat_sample(value: Any, meta: ValueMeta, batch_size: int) -> Any:
     return pytree.tree_unflatten(repeated, meta.spec)
 
 
-def _measure(
-    run: Callable[[dict[str, Any]], None],
-    leaves: dict[str, Any],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-) -> tuple[float, int | None]:
-    """Median seconds of `run(inputs)`, and its peak bytes on CUDA (else None)."""
+def _warm_up(
+    run: Callable[[dict[str, Any]], None], leaves: dict[str, Any], device: torch.device, warmup: int
+) -> int | None:
+    """Run `warmup` (at least one) untimed times; the peak bytes of a run on CUDA (else None)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
-    times = []
-    for _ in range(warmup + repeats):
-        # In-place layers (ReLU(inplace=True)) may not modify an autograd leaf: give them a copy.
-        inputs = {name: pytree.tree_map(_copy_if_grad, v) for name, v in leaves.items()}
-        times.append(_timed(device, functools.partial(run, inputs)))
-    peak = max(torch.cuda.max_memory_allocated(device) - baseline, 0) if cuda else None
-    return statistics.median(times[warmup:]), peak
+    for _ in range(max(warmup, 1)):
+        _timed_once(run, leaves, device)
+    return max(torch.cuda.max_memory_allocated(device) - baseline, 0) if cuda else None
+
+
+def _timed_once(run: Callable[[dict[str, Any]], None], leaves: dict[str, Any], device: torch.device) -> float:
+    # In-place layers (ReLU(inplace=True)) may not modify an autograd leaf: give them a copy.
+    inputs = {name: pytree.tree_map(_copy_if_grad, v) for name, v in leaves.items()}
+    return _timed(device, functools.partial(run, inputs))
 
 
 def _forward_backward(

@@ -27,6 +27,12 @@ from lightning_deeppool.planner.profile import Profile
 # Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
 # device-time is too small to matter and their profiled times are mostly launch overhead.
 DEFAULT_EXEMPT_BELOW_S = 1e-4
+# A plan predicted to gain less than this over full width (DDP) is not worth the risk: a profile is
+# noisy, and a burst plan's gain is only as good as its prediction. Full width is chosen instead.
+DEFAULT_MIN_GAIN = 0.03
+# Plans within this fraction of the best predicted step are ties that noise decides: the wider one
+# (closer to DDP, fewer redistributions) is chosen, so two profiles of one model give one plan.
+DEFAULT_TIE_TOLERANCE = 0.01
 EXHAUSTIVE_UP_TO = 64
 DEFAULT_MAX_STATES = 4096
 _LAMBDA_STEPS = 30
@@ -95,13 +101,19 @@ def search(
     pins: Mapping[str, int] | None = None,
     memory_budget_bytes: float | None = None,
     max_states: int = DEFAULT_MAX_STATES,
+    min_gain: float = DEFAULT_MIN_GAIN,
+    tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
 ) -> Plan:
     """The plan with the least predicted step time.
 
     Hard constraints: every unpinned layer whose time at width 1 is at least ``exempt_below_s`` keeps
     ``time(w) * w <= amplification_limit * time(1)`` (width 1 always qualifies; ``inf`` disables it);
     pinned layers take their pin's width unchecked (the user's choice); where the profile has memory,
-    rank 0's estimated bytes stay within ``memory_budget_bytes`` (Lagrangian relaxation).
+    rank 0's estimated bytes stay within ``memory_budget_bytes`` (Lagrangian relaxation). When the best
+    plan is predicted to beat every unpinned layer at full width by less than `min_gain` (a fraction),
+    and full width meets the constraints, full width is returned; otherwise each run of layers of one
+    width is widened (to full width, else to a neighbouring run's width) while the predicted step stays
+    within `tie_tolerance` of the best.
     """
     cost.check_sizes(world_size, global_batch_size)
     cost.check_profile(graph, profile)
@@ -129,14 +141,71 @@ def search(
             )
         choice = _fit_memory(tables, memory_budget_bytes, max_states)
     widths = {layer.name: int(tables.widths[i]) for layer, i in zip(graph.layers, choice, strict=True)}
-    return plan_with_widths(
-        graph,
-        profile,
-        widths,
-        world_size=world_size,
-        global_batch_size=global_batch_size,
-        amplification_limit=amplification_limit,
-    )
+    sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
+    if memory_budget_bytes is None:
+        widths = _prefer_wide(graph, profile, tables, widths, min_gain, tie_tolerance, **sizes)
+    return plan_with_widths(graph, profile, widths, amplification_limit=amplification_limit, **sizes)
+
+
+def _prefer_wide(
+    graph: LayerGraph,
+    profile: Profile,
+    tables: _Tables,
+    widths: dict[str, int],
+    min_gain: float,
+    tie_tolerance: float,
+    *,
+    world_size: int,
+    global_batch_size: int,
+) -> dict[str, int]:
+    """Full width if the best plan gains less than `min_gain` over it, else the best plan with each
+    run of one width widened while it stays within `tie_tolerance` of the best (see `search`)."""
+
+    def step(candidate: dict[str, int]) -> float:
+        total = cost.evaluate(
+            graph, profile, candidate, world_size=world_size, global_batch_size=global_batch_size
+        )
+        return total.total_s + profile.optimizer_s
+
+    best = step(widths)
+    full = _full_width(tables, graph, world_size)
+    if full is not None and full != widths and best > (1 - min_gain) * step(full):
+        return full
+    allowed = {
+        layer.name: {int(tables.widths[i]) for i in indices}
+        for layer, indices in zip(graph.layers, tables.allowed, strict=True)
+    }
+    runs: list[list[str]] = []
+    for layer in graph.layers:
+        if runs and widths[runs[-1][0]] == widths[layer.name]:
+            runs[-1].append(layer.name)
+        else:
+            runs.append([layer.name])
+    for i, run in enumerate(runs):
+        current = widths[run[0]]
+        neighbours = {widths[r[0]] for r in runs[max(i - 1, 0) : i + 2]}
+        for width in sorted({world_size, *neighbours}, reverse=True):
+            if width <= current or any(width not in allowed[name] for name in run):
+                continue
+            trial = {**widths, **dict.fromkeys(run, width)}
+            if step(trial) <= (1 + tie_tolerance) * best:
+                widths = trial
+                break
+    return widths
+
+
+def _full_width(tables: _Tables, graph: LayerGraph, world_size: int) -> dict[str, int] | None:
+    """Every layer at full width but the pinned ones, if the constraints allow it."""
+    full = {}
+    for layer, allowed in zip(graph.layers, tables.allowed, strict=True):
+        widths = [int(tables.widths[i]) for i in allowed]
+        if len(widths) == 1 and widths[0] != world_size:
+            full[layer.name] = widths[0]  # pinned
+        elif world_size in widths:
+            full[layer.name] = world_size
+        else:
+            return None
+    return full
 
 
 @dataclass(frozen=True)
