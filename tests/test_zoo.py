@@ -71,6 +71,7 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
             params=parameters(model),
             state={k: v.detach().clone() for k, v in model.state_dict().items()},
             widths=sorted(set(strategy.plan.widths().values())),
+            measured=strategy.measured_step_time_s,
             steps=trainer.global_step,
             logged=[len(c.logged) for c in callbacks if isinstance(c, PredictionLogger)],
             rank_zero_calls=[hasattr(model, "first_logits"), hasattr(model, "last_logits")]
@@ -141,3 +142,9 @@ def test_rank_zero_alone_predicts_with_the_trained_weights(zoo):
         expected = references[name](probe())
     assert torch.allclose(results[name][0]["prediction"], expected, atol=TOLERANCE)
     assert "prediction" not in results[name][1]
+
+
+def test_fit_ends_with_the_measured_step_time_once_steps_settle(zoo):
+    _, _, results = zoo
+    assert all(rank["measured"] > 0 for rank in results["rank-zero-callback-after-epoch"])  # 8 steps
+    assert all(rank["measured"] is None for rank in results["frozen-layer"])  # 3 steps: too few

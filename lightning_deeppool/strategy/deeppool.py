@@ -38,6 +38,7 @@ from lightning_deeppool.strategy.calls import CallAgreement
 from lightning_deeppool.strategy.forward_calls import ForwardCalls
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.install import Installation, Installer
+from lightning_deeppool.strategy.report import StepTimes, summary
 from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class DeepPoolStrategy(DDPStrategy):
         self._sync_gradients = True
         self._failed = False
         self._between_steps_loop: Any = None
+        self.step_times = StepTimes()
+        self.measured_step_time_s: float | None = None
 
     @property
     def profile(self) -> Profile | None:
@@ -191,8 +194,20 @@ class DeepPoolStrategy(DDPStrategy):
         self._refresh_parameters()
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.step_times.mark()
+
+    @override
     def on_train_end(self) -> None:
         self._refresh_parameters()
+        if self.installation is None:
+            return
+        self.measured_step_time_s = self.step_times.median_s()
+        if self.global_rank == 0:
+            plan = self.installation.plan
+            print(
+                summary(self.measured_step_time_s, plan.predicted_step_time_s, len(self.step_times.seconds))
+            )
 
     def _refresh_parameters(self) -> None:
         if self._calls is not None and self._calls.stale_anywhere:
@@ -342,6 +357,7 @@ class DeepPoolStrategy(DDPStrategy):
             plan=self.plan,
         )
         self.plan = self.installation.plan
+        self.step_times.restart()
         return self.installation
 
     def _log_dir(self) -> str | None:
