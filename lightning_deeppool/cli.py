@@ -37,7 +37,14 @@ from lightning_deeppool.planner.profile import (
 )
 from lightning_deeppool.planner.profiler import candidate_batch_sizes, profile_layers
 from lightning_deeppool.planner.search import search
-from lightning_deeppool.planner.simulate import Projection, parse_devices, project, table
+from lightning_deeppool.planner.simulate import (
+    DEFAULT_BACKGROUND_EFFICIENCY,
+    Projection,
+    assumptions,
+    parse_devices,
+    project,
+    table,
+)
 
 
 class UsageError(Exception):
@@ -106,6 +113,7 @@ def simulate_command(args: argparse.Namespace) -> None:
     except ValueError as err:
         raise UsageError(str(err)) from None
     print(table(projections))
+    print(assumptions(profile, projections))
     if args.chart:
         _simulation_chart(projections, args.chart)
         print(f"chart written to {args.chart}")
@@ -200,16 +208,27 @@ def _measure(
 
 
 def _with_comm(profile: Profile, args: argparse.Namespace) -> Profile:
-    """The profile with --bandwidth/--latency-us as its link, when either is given."""
-    if args.bandwidth is None and args.latency_us is None:
+    """The profile with the link figures given on the command line (point-to-point and, if given
+    apart, collectives), when any is given."""
+    link = _link(args.bandwidth, args.latency_us, "")
+    collective = _link(args.collective_bandwidth, args.collective_latency_us, "collective-")
+    if link is None and collective is None:
         return profile
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else DEFAULT_BANDWIDTH_BYTES_PER_S
-    latency = args.latency_us * 1e-6 if args.latency_us is not None else DEFAULT_LATENCY_S
+    comm = CommProfile(link=link or CommProfile().link, collective=collective)
+    return dataclasses.replace(profile, comm=comm)
+
+
+def _link(bandwidth_gbps: float | None, latency_us: float | None, prefix: str) -> AlphaBeta | None:
+    if bandwidth_gbps is None and latency_us is None:
+        return None
+    bandwidth = bandwidth_gbps * 1e9 if bandwidth_gbps is not None else DEFAULT_BANDWIDTH_BYTES_PER_S
+    latency = latency_us * 1e-6 if latency_us is not None else DEFAULT_LATENCY_S
     if bandwidth <= 0 or latency < 0:
         raise UsageError(
-            f"--bandwidth must be > 0 and --latency-us >= 0, got {args.bandwidth}, {args.latency_us}"
+            f"--{prefix}bandwidth must be > 0 and --{prefix}latency-us >= 0, got {bandwidth_gbps}, "
+            f"{latency_us}"
         )
-    return dataclasses.replace(profile, comm=CommProfile(link=AlphaBeta(latency, 1.0 / bandwidth)))
+    return AlphaBeta(latency, 1.0 / bandwidth)
 
 
 def _save_profile_file(path: str, graph: LayerGraph, profile: Profile) -> None:
@@ -420,8 +439,9 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--background-efficiency",
         type=float,
-        default=1.0,
-        help="share (0..1) of idle device-time background jobs turn into progress (default: 1.0)",
+        default=DEFAULT_BACKGROUND_EFFICIENCY,
+        help="share (0..1) of idle device-time background jobs turn into progress "
+        f"(default: {DEFAULT_BACKGROUND_EFFICIENCY}, about what a CPU benchmark measured)",
     )
     simulate.add_argument("--chart", help="save a throughput plot (needs matplotlib)")
     simulate.set_defaults(run=simulate_command, subparser=simulate)
@@ -464,5 +484,17 @@ def _search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--amplification-limit", type=float, default=2.0, help="max device-time amplification per layer"
     )
-    parser.add_argument("--bandwidth", type=float, help="link bandwidth in GB/s (default: 20)")
-    parser.add_argument("--latency-us", type=float, help="per-message latency in microseconds (default: 20)")
+    parser.add_argument("--bandwidth", type=float, help="point-to-point link bandwidth in GB/s (default: 20)")
+    parser.add_argument(
+        "--latency-us", type=float, help="point-to-point per-message latency in microseconds (default: 20)"
+    )
+    parser.add_argument(
+        "--collective-bandwidth",
+        type=float,
+        help="per-link bandwidth of collectives in GB/s (default: the point-to-point figure)",
+    )
+    parser.add_argument(
+        "--collective-latency-us",
+        type=float,
+        help="per-link latency of collectives in microseconds (default: the point-to-point figure)",
+    )

@@ -1,5 +1,6 @@
 """The cost model: compute at ceil(B / w), sync among the layer's devices, transfers on width changes."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.layout import balanced, busiest_rank_samples
-from lightning_deeppool.planner.profile import LayerProfile, Profile
+from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
@@ -35,6 +36,33 @@ def test_compute_reads_times_fitted_to_grow_with_the_batch():
     assert cost.compute_time(profile, graph.layers[0], 2, 8) == pytest.approx(2e-3)  # (3 + 1) / 2
     assert cost.compute_time(profile, graph.layers[0], 4, 8) == pytest.approx(2e-3)
     assert profile.layers["l0"] == measured  # the measurements themselves are kept
+
+
+def test_small_groups_reduce_in_a_ring_and_large_ones_in_a_tree():
+    comm = CommProfile(link=AlphaBeta(40e-6, 1 / 25e9))
+    assert [comm.algorithm(n) for n in (2, 256)] == ["ring", "tree"]
+    assert comm.allreduce_call(256).latency_s == pytest.approx(2 * 8 * 40e-6)  # 2 log2 N latencies
+    measured = CommProfile(allreduce={2: AlphaBeta(1e-4, 1e-9)})
+    assert measured.algorithm(2) == "measured" and measured.algorithm(4) in ("ring", "tree")
+
+
+def test_data_parallel_time_grows_with_devices_by_the_latency_per_bucket_not_per_layer():
+    # 16 layers of 1 MB gradients each; a fixed 4 samples per device, so compute stays the same.
+    graph = graph_of([layer(f"l{i}", ["x" if i == 0 else f"l{i - 1}"], params=250_000) for i in range(16)])
+    comm = CommProfile(link=AlphaBeta(40e-6, 1 / 25e9))
+    steps = {}
+    for n in (8, 256):
+        profile = dataclasses.replace(
+            linear_profile(graph, {f"l{i}": (1e-4, 1e-5) for i in range(16)}, max_batch=4 * n), comm=comm
+        )
+        steps[n] = cost.ddp_baseline(graph, profile, world_size=n, global_batch_size=4 * n).total_s
+    grads = 16 * 1_000_000
+    latency = (
+        (comm.allreduce_call(256).latency_s - comm.allreduce_call(8).latency_s) * grads / comm.bucket_bytes
+    )
+    per_byte = (comm.allreduce_call(256).seconds_per_byte - comm.allreduce_call(8).seconds_per_byte) * grads
+    assert steps[256] - steps[8] == pytest.approx(latency + per_byte)
+    assert latency < 16 * 2 * 255 * 40e-6 / 100  # a hundredth of unbucketed ring latencies per layer
 
 
 def test_sync_is_zero_on_one_device_and_the_allreduce_otherwise():

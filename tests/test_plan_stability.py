@@ -50,7 +50,7 @@ def test_the_plans_run_the_head_narrower_than_the_convolutions(model):
 def test_a_noisy_inversion_cannot_make_a_layer_look_faster_on_more_samples():
     # The quickstart's failure: half the batch measured slower than all of it put the first
     # convolution on one device (time(B/2) * 2 > 2 * time(B) breaks the amplification limit).
-    graph, profile = _load("digits_quiet")
+    _, profile = _load("digits_quiet")
     first = profile.layers["features_0"]
     times = list(first.seconds)
     times[-2] = 1.5 * times[-1]

@@ -5,7 +5,13 @@ import math
 import pytest
 
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.simulate import idle_device_seconds, parse_devices, project, table
+from lightning_deeppool.planner.simulate import (
+    assumptions,
+    idle_device_seconds,
+    parse_devices,
+    project,
+    table,
+)
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
@@ -101,7 +107,16 @@ def test_table_has_a_row_per_device_count_and_the_gains():
     assert lines[0].split()[:3] == ["devices", "DDP", "ms"]
     assert [line.split()[0] for line in lines[1:3]] == ["2", "8"]
     assert lines[2].endswith("x")
-    assert lines[3].startswith("global batch 32; background fill at efficiency 1,")
+    assert lines[3].startswith("global batch 32; background fill at efficiency 0.6,")
+
+
+def test_the_assumptions_name_the_links_the_algorithm_and_what_is_left_out():
+    graph, profile = conv_then_head()
+    text = assumptions(profile, project(graph, profile, devices=[2, 32], global_batch_size=BATCH))
+    assert "buckets of 25 MB; 2 devices: ring, 32 devices: ring" in text
+    assert "point-to-point: 1 GB/s, 20 us per message" in text
+    assert "not modelled: overlap of compute and communication" in text
+    assert all(line.startswith("assumes ") for line in text.splitlines())
 
 
 def test_device_lists_are_parsed_sorted_and_checked():

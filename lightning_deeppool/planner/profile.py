@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -102,16 +103,23 @@ class AlphaBeta:
 # (about 20 GB/s, 20 us per message). `deeppool plan --bandwidth/--latency` overrides them.
 DEFAULT_LATENCY_S = 20e-6
 DEFAULT_BANDWIDTH_BYTES_PER_S = 20e9
+# Gradients are all-reduced in buckets of this size (the strategy's `bucket_mb`).
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class CommProfile:
     """Communication models.
 
-    `allreduce[k]` models a whole all-reduce among k devices (ring factor included, since it was
-    measured); `redistribute` models moving activations between ranks (per busiest rank's bytes).
-    Group sizes without a measurement use the ring formula on the link model of the nearest measured
-    size, or of `link` when nothing was measured.
+    `link` models a point-to-point message (moving activations, when `redistribute` was not measured);
+    `collective`, when given, the per-link figures of collectives (an inter-node network, say), else
+    `link`'s. `allreduce[k]` models one all-reduce call among k devices as measured (algorithm
+    included). Gradients are reduced in buckets of `bucket_bytes`: a layer pays the bandwidth term for
+    its bytes and the latency term for its share of a bucket, so latency grows per bucket, not per
+    layer. Group sizes without a measurement use the faster (for a full bucket) of a ring, ``2(k-1)``
+    latencies and ``2(k-1)/k`` of the bytes per link, and a tree, ``2 log2 k`` latencies and twice
+    the bytes, on per-link figures derived from the nearest measured size, else from
+    `collective`/`link`.
     """
 
     link: AlphaBeta = field(
@@ -120,20 +128,40 @@ class CommProfile:
     allreduce: dict[int, AlphaBeta] = field(default_factory=dict)
     redistribute: AlphaBeta | None = None
     measured: bool = False
+    collective: AlphaBeta | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def allreduce_time(self, group_size: int, nbytes: float) -> float:
-        """Seconds to all-reduce `nbytes` among `group_size` devices (0 for one device)."""
+        """Seconds `nbytes` of gradients add to the bucketed all-reduces among `group_size` devices
+        (0 for one device)."""
         if group_size <= 1 or nbytes <= 0:
             return 0.0
+        call = self.allreduce_call(group_size)
+        return call.latency_s * nbytes / self.bucket_bytes + call.seconds_per_byte * nbytes
+
+    def allreduce_call(self, group_size: int) -> AlphaBeta:
+        """One all-reduce call among `group_size` devices: its latency and its seconds per byte."""
+        return self._algorithms(group_size)[self.algorithm(group_size)]
+
+    def algorithm(self, group_size: int) -> str:
+        """``"measured"``, or the ring or tree algorithm the model assumes for `group_size`."""
+        options = self._algorithms(group_size)
+        return min(options, key=lambda name: options[name].time(self.bucket_bytes))
+
+    def _algorithms(self, group_size: int) -> dict[str, AlphaBeta]:
         if group_size in self.allreduce:
-            return self.allreduce[group_size].time(nbytes)
+            return {"measured": self.allreduce[group_size]}
         if self.allreduce:
             nearest = min(self.allreduce, key=lambda k: (abs(k - group_size), k))
             per_link = _ring_link(self.allreduce[nearest], nearest)
         else:
-            per_link = self.link
-        steps = 2 * (group_size - 1)
-        return steps * per_link.latency_s + steps / group_size * nbytes * per_link.seconds_per_byte
+            per_link = self.collective or self.link
+        rounds = 2 * (group_size - 1)
+        depth = 2 * math.ceil(math.log2(group_size))
+        return {
+            "ring": AlphaBeta(rounds * per_link.latency_s, rounds / group_size * per_link.seconds_per_byte),
+            "tree": AlphaBeta(depth * per_link.latency_s, 2 * per_link.seconds_per_byte),
+        }
 
     def redistribute_time(self, busiest_rank_bytes: float) -> float:
         """Seconds to redistribute activations when the busiest rank sends/receives that many bytes."""
@@ -146,15 +174,20 @@ class CommProfile:
             "allreduce": {str(k): asdict(v) for k, v in sorted(self.allreduce.items())},
             "redistribute": asdict(self.redistribute) if self.redistribute else None,
             "measured": self.measured,
+            "collective": asdict(self.collective) if self.collective else None,
+            "bucket_bytes": self.bucket_bytes,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CommProfile:
+        collective = data.get("collective")
         return cls(
             link=AlphaBeta(**data["link"]),
             allreduce={int(k): AlphaBeta(**v) for k, v in data["allreduce"].items()},
             redistribute=AlphaBeta(**data["redistribute"]) if data["redistribute"] else None,
             measured=data["measured"],
+            collective=AlphaBeta(**collective) if collective else None,
+            bucket_bytes=int(data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
         )
 
 

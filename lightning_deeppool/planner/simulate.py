@@ -10,9 +10,10 @@ devices:
   in transfers and gradient syncs is not counted as idle. Background work is valued in
   *foreground-equivalent* samples: a background job is assumed to train the same model alone on one
   device at batch B, so an idle device-second yields ``efficiency * B / T1`` samples, where T1 is the
-  single-device step time at batch B. ``efficiency`` (default 1.0) is the share of idle time background
-  work really turns into progress: 1.0 assumes it fills every idle window without slowing the
-  foreground and that memory allows it; real multiplexing gets less.
+  single-device step time at batch B. ``efficiency`` is the share of idle time background work really
+  turns into progress. The default, `DEFAULT_BACKGROUND_EFFICIENCY`, is about what
+  `benchmarks/background.py` measured on CPU (rank 1 turned 58% of its step, idle, into 0.38 of a
+  device); on GPUs it has not been measured: state your own. `assumptions` spells out the rest.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.graph import LayerGraph
 from lightning_deeppool.planner.plan import Plan
-from lightning_deeppool.planner.profile import Profile
+from lightning_deeppool.planner.profile import AlphaBeta, Profile
 from lightning_deeppool.planner.search import search
+
+DEFAULT_BACKGROUND_EFFICIENCY = 0.6
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ def project(
     devices: Sequence[int],
     global_batch_size: int,
     amplification_limit: float = 2.0,
-    background_efficiency: float = 1.0,
+    background_efficiency: float = DEFAULT_BACKGROUND_EFFICIENCY,
 ) -> list[Projection]:
     """One projection per device count, at a fixed global batch, under `profile`'s cost model.
 
@@ -162,6 +165,36 @@ def table(projections: Sequence[Projection]) -> str:
             f"(single-device step {p.single_device_step_s * 1e3:.3f} ms)"
         )
     return "\n".join(lines)
+
+
+def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
+    """What a projection assumes, one line each: where compute times come from, the communication
+    models (per device count: the all-reduce algorithm), and what is left out."""
+    comm = profile.comm
+    algorithms = ", ".join(
+        f"{p.devices} devices: {comm.algorithm(p.devices)}" for p in projections if p.devices > 1
+    )
+    lines = [
+        f"compute: profiled on {profile.device} ({profile.dtype}); times between profiled batch sizes "
+        "interpolated",
+        f"point-to-point: {_describe(comm.redistribute or comm.link)}"
+        + (" (measured)" if comm.redistribute is not None else ""),
+        f"collectives: {_describe(comm.collective or comm.link)} per link, unless measured; gradients in "
+        f"buckets of {comm.bucket_bytes / 2**20:g} MB; {algorithms or 'one device: none'}",
+        "not modelled: overlap of compute and communication, contention between concurrent transfers, "
+        "topology (one link model for every pair of devices)",
+    ]
+    if projections:
+        lines.append(
+            f"background fill: efficiency {projections[0].background_efficiency:g} of idle device-time, "
+            "valued as the same model on one device"
+        )
+    return "\n".join(f"assumes {line}" for line in lines)
+
+
+def _describe(link: AlphaBeta) -> str:
+    bandwidth = 1 / link.seconds_per_byte / 1e9 if link.seconds_per_byte else float("inf")
+    return f"{bandwidth:g} GB/s, {link.latency_s * 1e6:g} us per message"
 
 
 def parse_devices(text: str) -> list[int]:

@@ -31,7 +31,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_deeppool.planner.plan import Plan
-from lightning_deeppool.planner.profile import Profile
+from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.strategy.amp import make_scaler_agree
 from lightning_deeppool.strategy.calls import CallAgreement
@@ -39,7 +39,6 @@ from lightning_deeppool.strategy.forward_calls import ForwardCalls
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.install import Installation, Installer
 from lightning_deeppool.strategy.report import StepTimes, summary
-from lightning_deeppool.strategy.schedule import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.

@@ -8,6 +8,7 @@ planned parameters are also used outside the planned forward (they are then redu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,10 @@ class Installer:
             warmup=self.profile_warmup,
             repeats=self.profile_repeats,
         )
-        profile = self.profile
+        # The planner costs gradient reductions in the buckets the runtime will use.
+        profile = dataclasses.replace(
+            self.profile, comm=dataclasses.replace(self.profile.comm, bucket_bytes=self.bucket_bytes)
+        )
         plan = on_rank_zero(
             lambda: search(
                 captured.graph,

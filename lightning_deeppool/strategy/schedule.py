@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_deeppool.planner.graph import LayerGraph
-
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
