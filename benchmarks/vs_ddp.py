@@ -1,7 +1,10 @@
 """Lightning's "ddp" against "deeppool" (automatic plan) and deeppool at full width, side by side.
 
 Models, each at global batch 32 on 2 CPU ranks (one thread each):
-- `vgg`: a VGG-like model (cheap convolutions, a ~13M-parameter linear head);
+- `vgg`: a VGG-like model (cheap convolutions, a 12.6M-parameter linear head): communication-bound;
+- `convhead`: four 3x3 convolutions and a 13.1M-parameter linear head: communication-bound;
+- `compute`: five 3x3 convolutions at 32x32, 0.3M parameters: compute-bound, DDP is near-optimal;
+- `resnet`: a residual network with BatchNorm (three blocks), small parameters;
 - `gpt`: Hugging Face GPT-2 (2 layers, width 128) with a 32k-token vocabulary, its embedding tied
   to the output head (4.1M parameters there), on 32-token sequences.
 Each configuration runs as its own `python benchmarks/vs_ddp.py --run` process (Lightning's popen
@@ -15,6 +18,7 @@ with, per model and configuration, step times, the plan's prediction and table, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -63,6 +67,85 @@ class VGGLike(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
+class ImageClassifier(pl.LightningModule):
+    """Cross-entropy on 32x32 images; SGD with momentum. Subclasses define `net`."""
+
+    net: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def _convs(channels: list[int]) -> list[nn.Module]:
+    layers: list[nn.Module] = []
+    for c_in, c_out in itertools.pairwise(channels):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+    return layers
+
+
+class ConvHead(ImageClassifier):
+    """Four 3x3 convolutions on 32x32 images, then a 16384 -> 800 linear layer (13.1M params)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            *_convs([3, 32, 32, 32, 16]),
+            nn.Flatten(),
+            nn.Linear(16 * 32 * 32, 800),
+            nn.ReLU(),
+            nn.Linear(800, 10),
+        )
+
+
+class ComputeBound(ImageClassifier):
+    """Five 3x3 convolutions (32 channels) at 32x32, pooling and a small classifier: 0.3M params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            *_convs([3, 32, 32, 32, 32, 32]),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 16 * 16, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
+        )
+
+
+class Block(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class ResidualNet(ImageClassifier):
+    """A stem, three residual blocks at 16x16 with BatchNorm, global pooling, a linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            *(Block(32) for _ in range(3)),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        )
+
+
 class GPTLanguageModel(pl.LightningModule):
     """Hugging Face GPT-2: 2 layers of width 128, a 32k vocabulary, tied embedding and head."""
 
@@ -100,6 +183,9 @@ def _tokens(samples: int) -> TensorDataset:
 
 MODELS = {
     "vgg": (VGGLike, _images, "VGG-like, 12.6M-param head"),
+    "convhead": (ConvHead, _images, "four 3x3 convolutions, 13.1M-param head"),
+    "compute": (ComputeBound, _images, "five 3x3 convolutions at 32x32, 0.3M params"),
+    "resnet": (ResidualNet, _images, "residual network with BatchNorm, 3 blocks at 16x16"),
     "gpt": (
         GPTLanguageModel,
         _tokens,
