@@ -250,6 +250,7 @@ def run_one(model_name: str, config: str, steps: int, out: Path) -> None:
         result["predicted_step_time_s"] = plan_obj.predicted_step_time_s
         result["widths"] = plan_obj.widths()
         result["plan_table"] = plan_obj.table()
+        result["predicted_speedup"] = plan_obj.speedup
     per_rank = out.with_suffix(f".rank{trainer.global_rank}.json")
     per_rank.write_text(json.dumps(result))
 
@@ -269,19 +270,51 @@ def main() -> None:
         run_one(args.model, args.run, args.steps, args.out)
         return
 
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    known = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = {name: summary for name, summary in known.items() if name in MODELS}
     for model_name in args.models:
         results[model_name] = _measure(model_name, args.runs, args.steps)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(results, indent=1))
-    for model_name in args.models:
-        summary = results[model_name]
-        for config in CONFIGS:
-            entry = summary[config]
-            print(
-                f"{model_name} {config}: {entry['step_time_ms']:.1f} ms, {entry['speedup_vs_ddp']:.2f}x DDP"
-            )
-        print(summary["deeppool"].get("plan_table", ""))
+    print(markdown_table(results))
+
+
+def markdown_table(results: dict) -> str:
+    """The README's results table: per model, DDP against the automatic plan and full width."""
+    lines = [
+        "| model | DDP | automatic plan | vs DDP | predicted vs DDP | measured / predicted | full width vs "
+        "DDP "
+        "| peak RSS per rank (MB): DDP; plan | plan widths |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for name, summary in results.items():
+        ddp, auto, full = summary["ddp"], summary["deeppool"], summary["deeppool_full_width"]
+        memory = "; ".join(" / ".join(f"{mb:.0f}" for mb in e["peak_rss_mb_per_rank"]) for e in (ddp, auto))
+        lines.append(
+            f"| {MODELS[name][2]} | {ddp['step_time_ms']:.1f} ms | {auto['step_time_ms']:.1f} ms "
+            f"| {auto['speedup_vs_ddp']:.2f}x | {_predicted_speedup(auto):.2f}x | "
+            f"{auto['measured_over_predicted']:.2f} "
+            f"| {full['speedup_vs_ddp']:.2f}x | {memory} | {_runs(auto['widths'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _predicted_speedup(entry: dict) -> float:
+    if "predicted_speedup" in entry:
+        return entry["predicted_speedup"]
+    footer = next(line for line in entry["plan_table"].splitlines() if line.startswith("predicted step time"))
+    return float(footer.split("speedup ")[1].split("x")[0])
+
+
+def _runs(widths: dict[str, int]) -> str:
+    """``a..c: 2, d: 1``: consecutive layers of one width as a range."""
+    runs: list[tuple[list[str], int]] = []
+    for name, width in widths.items():
+        if runs and runs[-1][1] == width:
+            runs[-1][0].append(name)
+        else:
+            runs.append(([name], width))
+    return ", ".join(f"{names[0]}{'..' + names[-1] if len(names) > 1 else ''}: {w}" for names, w in runs)
 
 
 def _measure(model_name: str, runs: int, steps: int) -> dict:
@@ -324,6 +357,9 @@ def _summarize(model_name: str, samples: dict[str, list[dict]]) -> dict:
             entry["measured_over_predicted"] = step_time(config) / statistics.median(predicted)
             entry["widths"] = samples[config][-1]["ranks"][0]["widths"]
             entry["plan_table"] = samples[config][-1]["ranks"][0]["plan_table"]
+            speedups = [s["ranks"][0].get("predicted_speedup") for s in samples[config]]
+            if speedups[0] is not None:
+                entry["predicted_speedup"] = statistics.median(speedups)
         summary[config] = entry
     return summary
 

@@ -73,9 +73,23 @@ def _errors(rank: int, world: int) -> dict[str, dict[str, float]]:
                 errors[param] = (p.grad - reference[param].grad).abs().max().item()
         with torch.no_grad():
             errors["no-grad output"] = (runtime.forward(x[mine]) - expected[mine]).abs().max().item()
+        errors["input-grad"] = _input_grad_error(runtime, ref, params, x[mine], y[mine], world)
         groups.destroy()
         results[name] = errors
     return results
+
+
+def _input_grad_error(runtime, ref, params, x, y, world) -> float:
+    """torch.autograd.grad through the plan gives the input's gradient and leaves `.grad` alone."""
+    for p in params.values():
+        p.grad = None
+    planned, reference = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (got,) = torch.autograd.grad(
+        nn.functional.cross_entropy(runtime.forward(planned), y, reduction="sum"), planned
+    )
+    (want,) = torch.autograd.grad(nn.functional.cross_entropy(ref(reference), y, reduction="sum"), reference)
+    untouched = all(p.grad is None for p in params.values())
+    return (got - want).abs().max().item() if untouched else float("inf")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
@@ -92,8 +106,16 @@ def test_outputs_match_single_process(errors, pattern):
 
 
 @pytest.mark.parametrize("pattern", list(WIDTH_PATTERNS))
+def test_autograd_grad_reaches_the_inputs_and_leaves_parameter_gradients_alone(errors, pattern):
+    _, ranks = errors
+    for rank in ranks:
+        assert rank[pattern]["input-grad"] < 1e-5
+
+
+@pytest.mark.parametrize("pattern", list(WIDTH_PATTERNS))
 def test_owned_gradients_match_single_process_with_uneven_local_counts(errors, pattern):
     _, ranks = errors
-    assert len(ranks[0][pattern]) == 2 + 6  # rank 0 owns all six parameters
+    assert len(ranks[0][pattern]) == 3 + 6  # rank 0 owns all six parameters
     for rank in ranks:
-        assert max((v for k, v in rank[pattern].items() if "output" not in k), default=0.0) < 1e-5
+        owned = [v for k, v in rank[pattern].items() if "output" not in k and k != "input-grad"]
+        assert max(owned, default=0.0) < 1e-5

@@ -40,6 +40,7 @@ class _Step:
     training: bool
     local: dict[str, Any]
     input_grads: dict[str, bool]
+    accumulate: bool = True  # whether backward accumulates into parameters (not torch.autograd.grad)
     values: dict[Key, Any] = field(default_factory=dict)
     leaves: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -289,13 +290,20 @@ class BurstRuntime:
         self._last_pass = last
 
     def backward(
-        self, step: _Step, slots: Sequence[tuple[str, int]], grads: Sequence[torch.Tensor | None]
+        self,
+        step: _Step,
+        slots: Sequence[tuple[str, int]],
+        grads: Sequence[torch.Tensor | None],
+        accumulate: bool = True,
     ) -> None:
-        """Walk the backward schedule, starting from the gradients of the model's outputs."""
+        """Walk the backward schedule, starting from the gradients of the model's outputs. Without
+        `accumulate` (``torch.autograd.grad``), only the inputs' gradients are computed: parameters'
+        ``.grad`` stay as they are."""
         for (name, i), grad in zip(slots, grads):
             if grad is not None:
                 _accumulate(step, (name, self.world_size), i, grad, len(step.meta[name].leaves))
-        self.grad_sync.arm(self._last_pass)
+        step.accumulate = accumulate
+        self.grad_sync.arm(self._last_pass and accumulate)
         self._last_pass = False
         self._run(step, self.schedule.backward)
 
@@ -312,15 +320,25 @@ class BurstRuntime:
                 if g is not None and t.requires_grad:
                     tensors.append(t)
                     grads.append(g)
-        if tensors:
+        leaves = [
+            (value, i, leaf)
+            for value in stage.inputs
+            for i, leaf in enumerate(step.leaves.get((value, stage.width), ()))
+        ]
+        if tensors and step.accumulate:
             with self.grad_sync.in_stage():
                 torch.autograd.backward(tensors, grads)
-        for value in stage.inputs:
-            for i, leaf in enumerate(step.leaves.get((value, stage.width), ())):
-                if leaf.grad is not None:
-                    count = len(step.meta[value].leaves)
-                    _accumulate(step, (value, stage.width), i, leaf.grad, count)
-                    leaf.grad = None
+            found = [leaf.grad for _, _, leaf in leaves]
+        elif tensors:
+            wanted = [leaf for _, _, leaf in leaves if leaf.requires_grad]
+            computed = iter(torch.autograd.grad(tensors, wanted, grads, allow_unused=True) if wanted else ())
+            found = [next(computed) if leaf.requires_grad else None for _, _, leaf in leaves]
+        else:
+            found = [None] * len(leaves)
+        for (value, i, leaf), grad in zip(leaves, found):
+            if grad is not None:
+                _accumulate(step, (value, stage.width), i, grad, len(step.meta[value].leaves))
+            leaf.grad = None
 
     def _send_grad(self, step: _Step, action: Action) -> None:
         if action.value in step.input_grads and not step.input_grads[action.value]:
@@ -370,6 +388,22 @@ def _accumulate(step: _Step, key: Key, index: int, grad: torch.Tensor, count: in
     pending[index] = grad if current is None else current + grad
 
 
+def _accumulates(ctx: Any) -> bool:
+    """Whether the running backward accumulates into leaves (``.backward()``) or only computes the
+    gradients it was asked for (``torch.autograd.grad``): the engine runs the anchor's accumulator
+    only in the first case."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    node = next(
+        (
+            fn
+            for fn, _ in ctx.next_functions
+            if fn is not None and getattr(fn, "variable", None) is ctx.anchor
+        ),
+        None,
+    )
+    return True if will_execute is None or node is None else bool(will_execute(node))
+
+
 class _RunBackward(torch.autograd.Function):
     """Identity on the outputs; its backward is the whole burst-parallel backward, and returns the
     gradients of the forward's tensor arguments that require them."""
@@ -384,7 +418,7 @@ class _RunBackward(torch.autograd.Function):
         anchor: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.runtime, ctx.step, ctx.slots, ctx.inputs = runtime, step, slots, inputs
+        ctx.runtime, ctx.step, ctx.slots, ctx.inputs, ctx.anchor = runtime, step, slots, inputs, anchor
         return tuple(t.clone() for t in tensors[len(inputs) :])
 
     @staticmethod
@@ -398,7 +432,7 @@ class _RunBackward(torch.autograd.Function):
             raise RuntimeError(
                 "deeppool: double backward (create_graph=True) through the planned forward is not supported"
             )
-        ctx.runtime.backward(ctx.step, ctx.slots, grads)
+        ctx.runtime.backward(ctx.step, ctx.slots, grads, accumulate=_accumulates(ctx))
         input_grads = [ctx.runtime.input_grad(ctx.step, name) for name in ctx.inputs]
         ctx.step = None
         return (None, None, None, None, None, *input_grads, *([None] * len(grads)))
