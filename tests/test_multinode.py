@@ -17,7 +17,7 @@ SAMPLES = 4 * GLOBAL_BATCH
 PINS = {"": 2, "head": 1}
 
 
-def _node(rank: int) -> dict[str, Any]:
+def _node(rank: int, root: str) -> dict[str, Any]:
     # The process group is up; these say Lightning's cluster environment is node `rank` of 2,
     # with one process (local rank 0) created externally.
     os.environ.update(
@@ -31,7 +31,9 @@ def _node(rank: int) -> dict[str, Any]:
     pl.seed_everything(SEED, verbose=False)  # the DistributedSampler's shuffling seed
     model = make_model("resnet")
     strategy = DeepPoolStrategy(plan=PINS, cache_dir=False, profile_warmup=0, profile_repeats=1)
-    trainer = pl.Trainer(**trainer_kwargs(devices=1, num_nodes=2, strategy=strategy, max_epochs=1))
+    trainer = pl.Trainer(
+        **trainer_kwargs(devices=1, num_nodes=2, strategy=strategy, max_epochs=1, default_root_dir=root)
+    )
     trainer.fit(model, DataLoader(images(SAMPLES), batch_size=GLOBAL_BATCH // 2))
     return {
         "global_rank": trainer.global_rank,
@@ -43,8 +45,8 @@ def _node(rank: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def nodes() -> list[dict[str, Any]]:
-    return run_distributed(_node, 2)
+def nodes(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_distributed(_node, 2, str(tmp_path_factory.mktemp("nodes")))
 
 
 def test_ranks_come_from_the_cluster_environment(nodes):
