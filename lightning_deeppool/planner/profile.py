@@ -10,7 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 2  # 2: optimizer_s
+PROFILE_VERSION = 3  # 2: optimizer_s; 3: communication measured up to bucket-sized messages
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,12 @@ def default_group_sizes(world_size: int) -> list[int]:
 def measure_comm(
     *,
     device: torch.device | str,
-    sizes_bytes: Sequence[int] = (4096, 1 << 20, 4 << 20),
+    sizes_bytes: Sequence[int] = (4096, 1 << 20, 4 << 20, 32 << 20),
     repeats: int = 3,
     group_sizes: Sequence[int] | None = None,
 ) -> CommProfile:
-    """Collective: every rank calls it; every rank gets rank 0's measurement.
+    """Collective: every rank calls it; every rank gets rank 0's measurement. The sizes reach a
+    gradient bucket's (25 MB): small messages alone under-price large ones, which leave the caches.
 
     Without an initialized process group, or with one rank, returns `CommProfile()` (its defaults).
     Groups for sizes k < N are ranks 0..k-1, created and destroyed here in the same order everywhere.
