@@ -9,7 +9,6 @@ every layer, so it holds every parameter and all optimizer state: checkpoints ar
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -40,7 +39,6 @@ from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.install import Installation, Installer
 from lightning_deeppool.strategy.report import StepTimes, summary
 
-log = logging.getLogger(__name__)
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
 _SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
