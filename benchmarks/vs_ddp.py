@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool
+from lightning_deeppool.planner.plan import equal_width_runs
 
 CONFIGS = ("ddp", "deeppool", "deeppool_full_width")
 RESULTS = Path(__file__).parent / "results" / "vs_ddp.json"
@@ -308,13 +309,8 @@ def _predicted_speedup(entry: dict) -> float:
 
 def _runs(widths: dict[str, int]) -> str:
     """``a..c: 2, d: 1``: consecutive layers of one width as a range."""
-    runs: list[tuple[list[str], int]] = []
-    for name, width in widths.items():
-        if runs and runs[-1][1] == width:
-            runs[-1][0].append(name)
-        else:
-            runs.append(([name], width))
-    return ", ".join(f"{names[0]}{'..' + names[-1] if len(names) > 1 else ''}: {w}" for names, w in runs)
+    runs = equal_width_runs(widths, widths)
+    return ", ".join(f"{run[0]}{'..' + run[-1] if len(run) > 1 else ''}: {widths[run[0]]}" for run in runs)
 
 
 def _measure(model_name: str, runs: int, steps: int) -> dict:

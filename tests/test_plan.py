@@ -6,7 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_deeppool.planner.plan import PLAN_VERSION, Plan, plan_with_widths, validate_plan
+from lightning_deeppool.planner.plan import (
+    PLAN_VERSION,
+    Plan,
+    equal_width_runs,
+    plan_with_widths,
+    validate_plan,
+)
 
 from planner_fixtures import chain, linear_profile
 
@@ -163,3 +169,9 @@ def test_table_lists_every_layer_and_summarizes_speedup_and_idle_ranks():
     assert f"speedup {plan.speedup:.2f}x" in lines[-2]
     assert lines[-1].startswith("idle fraction per rank: r0 0%, r1-3 ")
     assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
+
+
+def test_equal_width_runs_cut_only_where_the_width_changes():
+    widths = {"a": 2, "b": 2, "c": 1, "d": 2}
+
+    assert equal_width_runs(["a", "b", "c", "d"], widths) == [["a", "b"], ["c"], ["d"]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,17 @@ def _idle_summary(fractions: list[float]) -> str:
             parts.append(f"{ranks} {fractions[start]:.0%}")
             start = rank
     return ", ".join(parts)
+
+
+def equal_width_runs(names: Iterable[str], widths: Mapping[str, int]) -> list[list[str]]:
+    """``names`` in order, cut into maximal runs of consecutive names with one width."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and widths[runs[-1][0]] == widths[name]:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return runs
 
 
 def validate_plan(plan: Plan, graph: LayerGraph) -> None:

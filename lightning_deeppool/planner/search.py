@@ -21,7 +21,7 @@ import numpy as np
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.graph import Layer, LayerGraph
-from lightning_deeppool.planner.plan import Plan, plan_with_widths
+from lightning_deeppool.planner.plan import Plan, equal_width_runs, plan_with_widths
 from lightning_deeppool.planner.profile import Profile
 
 # Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
@@ -175,12 +175,7 @@ def _prefer_wide(
         layer.name: {int(tables.widths[i]) for i in indices}
         for layer, indices in zip(graph.layers, tables.allowed, strict=True)
     }
-    runs: list[list[str]] = []
-    for layer in graph.layers:
-        if runs and widths[runs[-1][0]] == widths[layer.name]:
-            runs[-1].append(layer.name)
-        else:
-            runs.append([layer.name])
+    runs = equal_width_runs((layer.name for layer in graph.layers), widths)
     for i, run in enumerate(runs):
         current = widths[run[0]]
         neighbours = {widths[r[0]] for r in runs[max(i - 1, 0) : i + 2]}

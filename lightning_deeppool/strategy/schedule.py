@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.planner.plan import equal_width_runs
 from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES
 
 
@@ -93,12 +94,7 @@ class Schedule:
 
 def build_stages(graph: LayerGraph, widths: Mapping[str, int]) -> tuple[Stage, ...]:
     """Cut the execution order into maximal runs of equal width."""
-    runs: list[list[str]] = []
-    for layer in graph.layers:
-        if runs and widths[runs[-1][0]] == widths[layer.name]:
-            runs[-1].append(layer.name)
-        else:
-            runs.append([layer.name])
+    runs = equal_width_runs((layer.name for layer in graph.layers), widths)
     stage_of = {name: i for i, run in enumerate(runs) for name in run}
     graph_outputs = set(graph.outputs)
     stages = []
