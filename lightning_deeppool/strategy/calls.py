@@ -15,6 +15,7 @@ refuses to run a call locally once its copy is stale, or to backpropagate throug
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -134,13 +135,19 @@ class CallAgreement:
 def call_site() -> str:
     """`file:line` of the user code that called the model (the first frame outside torch, Lightning
     and this package)."""
-    skip = tuple(
-        os.path.dirname(module.__file__ or "")
-        for module in (sys.modules["torch"], sys.modules["lightning"], sys.modules["lightning_deeppool"])
-    )
+    skip = _library_dirs()
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "unknown"
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Folders of torch, Lightning and this package: computed once, since every planned call asks."""
+    return tuple(
+        os.path.dirname(module.__file__ or "")
+        for module in (sys.modules["torch"], sys.modules["lightning"], sys.modules["lightning_deeppool"])
+    )
