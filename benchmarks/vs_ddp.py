@@ -283,9 +283,8 @@ def main() -> None:
 def markdown_table(results: dict) -> str:
     """The README's results table: per model, DDP against the automatic plan and full width."""
     lines = [
-        "| model | DDP | automatic plan | vs DDP | predicted vs DDP | measured / predicted | full width vs "
-        "DDP "
-        "| peak RSS per rank (MB): DDP; plan | plan widths |",
+        "| model | DDP | automatic plan | vs DDP | predicted vs DDP | measured / predicted "
+        "| full width vs DDP | peak RSS per rank (MB): DDP; plan | plan widths |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for name, summary in results.items():

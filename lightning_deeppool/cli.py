@@ -225,8 +225,8 @@ def _link(bandwidth_gbps: float | None, latency_us: float | None, prefix: str) -
     latency = latency_us * 1e-6 if latency_us is not None else DEFAULT_LATENCY_S
     if bandwidth <= 0 or latency < 0:
         raise UsageError(
-            f"--{prefix}bandwidth must be > 0 and --{prefix}latency-us >= 0, got {bandwidth_gbps}, "
-            f"{latency_us}"
+            f"--{prefix}bandwidth must be > 0 and --{prefix}latency-us >= 0, "
+            f"got {bandwidth_gbps}, {latency_us}"
         )
     return AlphaBeta(latency, 1.0 / bandwidth)
 

@@ -117,10 +117,9 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
     for leaf in output_leaves:
         if isinstance(leaf, fx.Node) and kinds.get(leaf.name) == "internal":
             raise CaptureError(
-                f"forward returns {leaf.name!r} ({describe(leaf)}){where(leaf)}, whose batch dimension is "
-                "not "
-                "dimension 0 (or which mixes batch and other values); deeppool returns outputs to the ranks "
-                "holding their samples, so return tensors with the batch dimension first"
+                f"forward returns {leaf.name!r} ({describe(leaf)}){where(leaf)}, whose batch dimension "
+                "is not dimension 0 (or which mixes batch and other values); deeppool returns outputs to "
+                "the ranks holding their samples, so return tensors with the batch dimension first"
             )
     layer_graph = LayerGraph(
         inputs=tuple(GraphInput(name, meta[name].sample_bytes) for name in batch_inputs),

@@ -153,9 +153,8 @@ class _Recorder(TorchFunctionMode):
     def data_dependence(self, call: str) -> str:
         """The refusal of a Python value taken from batch data, naming where and what to do."""
         what = (
-            f"converts a tensor computed from the batch to a Python value ({call}){_user_line()}: its "
-            "control "
-            "flow or sizes depend on the data, which deeppool cannot split by sample."
+            f"converts a tensor computed from the batch to a Python value ({call}){_user_line()}: "
+            "its control flow or sizes depend on the data, which deeppool cannot split by sample."
         )
         if not self.stack:
             return (
@@ -423,18 +422,17 @@ def _fit(values: list[Any], position: str) -> tuple[int, int]:
     """Integer scale and offset with ``value == scale * size + offset`` at every recorded size."""
     if any(isinstance(v, float) for v in values):
         raise CaptureError(
-            f"the forward passes a number computed from the batch size to {position} ({values} at batch "
-            "sizes "
-            f"{list(SIZES)}); deeppool can only rescale integers that grow linearly with the batch"
+            f"the forward passes a number computed from the batch size to {position} "
+            f"({values} at batch sizes {list(SIZES)}); "
+            "deeppool can only rescale integers that grow linearly with the batch"
         )
     (s0, s1), (v0, v1) = SIZES[:2], values[:2]
     scale, rest = divmod(v1 - v0, s1 - s0)
     offset = v0 - scale * s0
     if rest or any(v != scale * s + offset for s, v in zip(SIZES, values)):
         raise CaptureError(
-            f"the forward passes {values} to {position} at batch sizes {list(SIZES)}: not a linear function "
-            "of "
-            "the batch size, so deeppool cannot rescale it for a shard of the batch"
+            f"the forward passes {values} to {position} at batch sizes {list(SIZES)}: "
+            "not a linear function of the batch size, so deeppool cannot rescale it for a shard of the batch"
         )
     return scale, offset
 

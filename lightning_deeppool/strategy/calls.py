@@ -88,11 +88,9 @@ class CallAgreement:
                         return self._decide(decision, "local")
                 if time.monotonic() - start > _GIVE_UP_S:
                     raise RuntimeError(
-                        f"deeppool: rank {self.rank} waited {_GIVE_UP_S:.0f} s for the other ranks to call "
-                        "the "
-                        f"model at {site} or to finish the step; a rank may be blocked in a collective "
-                        "deeppool "
-                        "does not see (a torch.distributed call in training_step)"
+                        f"deeppool: rank {self.rank} waited {_GIVE_UP_S:.0f} s for the other ranks "
+                        f"to call the model at {site} or to finish the step; a rank may be blocked "
+                        "in a collective deeppool does not see (a torch.distributed call in training_step)"
                     )
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_S[1])

@@ -148,8 +148,8 @@ class BurstRuntime:
         if [(tuple(t.shape[1:]), t.dtype) for t in batch.values()] != captured:
             raise ValueError(
                 f"the planned forward was captured for inputs of per-sample shapes and dtypes {captured}; "
-                "this "
-                "step's inputs differ. The captured graph is specialized to them: pad inputs to a fixed shape"
+                "this step's inputs differ. "
+                "The captured graph is specialized to them: pad inputs to a fixed shape"
             )
         key = (
             signature,
