@@ -82,6 +82,10 @@ class BurstRuntime:
         self._last_pass = False
         self._windows_in_action = 0
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
+        self._captured_samples = [
+            (meta.leaves[0].shape, meta.leaves[0].dtype)
+            for meta in (captured.meta[name] for name in captured.batch_inputs)
+        ]
         self._handlers: dict[str, Callable[[_Step, Action], None]] = {
             "forward": self._forward_stage,
             "send": self._send,
@@ -117,9 +121,10 @@ class BurstRuntime:
         if len(counts) > 1:
             raise ValueError(f"batch inputs disagree on the number of samples: {sorted(counts)}")
         count = counts.pop()
+        samples = [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
         signature = repr(
             (
-                [(tuple(t.shape[1:]), t.dtype) for t in batch.values()],
+                samples,
                 [v.tolist() if isinstance(v, torch.Tensor) else v for v in local.values()],
                 sorted(input_grads.items()),
             )
@@ -144,10 +149,10 @@ class BurstRuntime:
                 "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
                 f"same per-sample shape (this rank: {signature})"
             )
-        captured = [(m.leaves[0].shape, m.leaves[0].dtype) for m in (self.captured.meta[n] for n in batch)]
-        if [(tuple(t.shape[1:]), t.dtype) for t in batch.values()] != captured:
+        if samples != self._captured_samples:
             raise ValueError(
-                f"the planned forward was captured for inputs of per-sample shapes and dtypes {captured}; "
+                "the planned forward was captured for inputs of per-sample shapes and dtypes "
+                f"{self._captured_samples}; "
                 "this step's inputs differ. "
                 "The captured graph is specialized to them: pad inputs to a fixed shape"
             )
