@@ -48,9 +48,7 @@ class GradSync:
         self.params = params
         self.groups = groups
         self.world_size = world_size
-        self.buckets = [Bucket(b.index, b.width, tuple(b.params)) for b in buckets]
-        self.local = list(local)
-        self.world = list(world)
+        self._assign([Bucket(b.index, b.width, tuple(b.params)) for b in buckets], list(local), list(world))
         self.waiting = waiting
         self.outside: set[str] = set()
         self._uses = dict(uses or {})
@@ -65,6 +63,12 @@ class GradSync:
         self._pending: list[tuple[dist.Work | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
         self._hooks: dict[str, list[Any]] = {}
         self.track_new_parameters()
+
+    def _assign(self, buckets: list[Bucket], local: list[str], world: list[str]) -> None:
+        """Which parameters are reduced where, and the lookups derived from it."""
+        self.buckets, self.local, self.world = buckets, local, world
+        self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
+        self._owned = {*self._bucket_of, *world, *local}
 
     # ------------------------------------------------------------------------------ contributions
     def track_new_parameters(self) -> None:
@@ -120,7 +124,6 @@ class GradSync:
         """Start a backward pass; if `armed`, it is the step's last: launch buckets as they complete."""
         self._armed = armed
         self._next = 0
-        self._bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.params}
         self._missing = [
             sum(1 for n in b.params if self._uses.get(n, 1) == 1 and self.params[n].requires_grad)
             + any(self._uses.get(n, 1) > 1 for n in b.params)
@@ -151,7 +154,7 @@ class GradSync:
         """Reduce every fresh gradient (of `only`, if given) and wait: the optimizer may step."""
         self._armed = False
         chosen = self._fresh if only is None else self._fresh & set(only)
-        unknown = chosen - set(self._owned())
+        unknown = chosen - self._owned
         if unknown:
             raise RuntimeError(
                 f"deeppool: parameters {sorted(unknown)[:5]} received gradients on rank {dist.get_rank()}, "
@@ -165,9 +168,6 @@ class GradSync:
             if name in chosen:
                 self._divide(name)
         self._finish()
-
-    def _owned(self) -> list[str]:
-        return [*(n for b in self.buckets for n in b.params), *self.world, *self.local]
 
     def _reduce(self, names: list[str], width: int) -> None:
         names = [n for n in names if n in self._fresh]
@@ -229,11 +229,11 @@ class GradSync:
         """From now on reduce these parameters over every rank: they are used outside the planned
         forward too, so every rank contributes to their gradients."""
         chosen = set(names)
-        self.buckets = [
-            Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets
-        ]
-        self.local = [n for n in self.local if n not in chosen]
-        self.world += [n for n in names if n not in self.world]
+        self._assign(
+            [Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets],
+            [n for n in self.local if n not in chosen],
+            self.world + [n for n in names if n not in self.world],
+        )
 
     def drop(self, names: Collection[str]) -> None:
         """Forget gradients of parameters this rank does not hold (never reduced here)."""
