@@ -98,9 +98,9 @@ class ForwardCalls:
                 f"deeppool: rank {rank} called {type(self.target).__name__}.forward outside the planned "
                 "calls of the training step (in a callback or hook, or in a call only some ranks make). "
                 f"Rank {rank} updates only the layers it runs, so its copy of the others is out of date "
-                "until validation or the end of fit. Make that call on rank 0 (`if "
-                "trainer.is_global_zero:`), "
-                "which holds every parameter, or in validation_step"
+                "until validation or the end of fit. "
+                "Make that call on rank 0 (`if trainer.is_global_zero:`), which holds every parameter, "
+                "or in validation_step"
             )
         outputs = self._original(*args, **kwargs)
         if not torch.is_grad_enabled():

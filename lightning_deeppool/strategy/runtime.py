@@ -152,8 +152,7 @@ class BurstRuntime:
         if samples != self._captured_samples:
             raise ValueError(
                 "the planned forward was captured for inputs of per-sample shapes and dtypes "
-                f"{self._captured_samples}; "
-                "this step's inputs differ. "
+                f"{self._captured_samples}; this step's inputs differ. "
                 "The captured graph is specialized to them: pad inputs to a fixed shape"
             )
         key = (
