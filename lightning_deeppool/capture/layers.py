@@ -20,7 +20,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode
+from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode, fetch_attr
 from lightning_deeppool.capture.trace import CaptureError, Leaf, Trace, describe, where
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
@@ -57,10 +57,11 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
         kinds[name] = "batch"
     _check_flows(graph, kinds)
     units = _units(trace, [n for n in nodes if n.name in tainted])
+    uses = _ParameterUse(trace.gm)
     units = _merge_units(units, kinds, graph)
     if granularity == "layer":
-        units = _join_cheap_units(units, kinds, trace.gm)
-    names = _unit_names(units, set(trace.inputs), trace.gm)
+        units = _join_cheap_units(units, kinds, uses)
+    names = _unit_names(units, set(trace.inputs), uses)
     owner = {node.name: name for name, unit in zip(names, units) for node in unit}
     effects = _effects(trace, nodes, tainted, units, names)
     output = next(n for n in graph.nodes if n.op == "output")
@@ -88,13 +89,13 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
         order = {n: i for i, n in enumerate(graph.nodes)}
         evaluated = tuple(sorted({*closure, *own}, key=order.__getitem__))
         code[name] = LayerCode(evaluated, tuple(outputs), tuple((k, tuple(v)) for k, v in reads.items()))
-        used = _parameters_used(trace.gm, evaluated)
+        used = uses.of(evaluated)
         fresh = [p for p in used if p not in counted]
         counted.update(fresh)
         layer_params[name] = used
         per_rank = any(kinds[n.name] == "per_rank" for n in unit)
         meta[name] = _layer_meta(trace, outputs, per_rank)
-        first = next((n for n in unit if _has_parameters([n], trace.gm)), unit[0])
+        first = uses.first_user(unit)
         module = first.meta.get("deeppool_unit")
         layers.append(
             Layer(
@@ -237,18 +238,18 @@ def _merge_units(units: list[list[fx.Node]], kinds: dict[str, str], graph: fx.Gr
 
 
 def _join_cheap_units(
-    units: list[list[fx.Node]], kinds: dict[str, str], gm: fx.GraphModule
+    units: list[list[fx.Node]], kinds: dict[str, str], uses: _ParameterUse
 ) -> list[list[fx.Node]]:
     """Units without parameters join the unit just before them when they read it, or, before any unit
     with parameters, the unit just after them when it reads them. Per-rank units join only each other."""
     joined: list[list[fx.Node]] = []
     for unit in units:
         previous = joined[-1] if joined else None
-        if previous is not None and not _has_parameters(unit, gm) and _joinable(previous, unit, kinds):
+        if previous is not None and not uses.in_unit(unit) and _joinable(previous, unit, kinds):
             previous.extend(unit)
         else:
             joined.append(list(unit))
-    while len(joined) > 1 and not _has_parameters(joined[0], gm) and _joinable(joined[0], joined[1], kinds):
+    while len(joined) > 1 and not uses.in_unit(joined[0]) and _joinable(joined[0], joined[1], kinds):
         joined[0:2] = [joined[0] + joined[1]]
     return joined
 
@@ -261,18 +262,12 @@ def _joinable(before: list[fx.Node], after: list[fx.Node], kinds: dict[str, str]
     return reads and len(per_rank) == 1
 
 
-def _has_parameters(unit: list[fx.Node], gm: fx.GraphModule) -> bool:
-    return bool(
-        _parameters_used(gm, [*unit, *(s for n in unit for s in n.all_input_nodes if s.op == "get_attr")])
-    )
-
-
-def _unit_names(units: list[list[fx.Node]], taken: set[str], gm: fx.GraphModule) -> list[str]:
+def _unit_names(units: list[list[fx.Node]], taken: set[str], uses: _ParameterUse) -> list[str]:
     """Each unit is named for its first node with parameters (else its first node): its submodule
     (dots as underscores) or, outside any submodule, the node."""
     names = []
     for unit in units:
-        first = next((n for n in unit if _has_parameters([n], gm)), unit[0])
+        first = uses.first_user(unit)
         module = first.meta.get("deeppool_unit")
         base = module.replace(".", "_") if module else first.name
         base = f"_{base}" if base[0].isdigit() else base
@@ -357,20 +352,32 @@ def _drop_dead_code(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _parameters_used(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[str]:
-    names = {id(p): name for name, p in gm.named_parameters()}
-    used: dict[str, None] = {}
-    for n in nodes:
-        if n.op == "call_module":
-            for p in gm.get_submodule(str(n.target)).parameters():
-                used[names[id(p)]] = None
-        elif n.op == "get_attr":
-            value = gm
-            for atom in str(n.target).split("."):
-                value = getattr(value, atom)
-            if isinstance(value, torch.nn.Parameter):
-                used[names[id(value)]] = None
-    return list(used)
+class _ParameterUse:
+    """Which of `gm`'s parameters nodes use, by name (a shared parameter under its first name)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.names = {id(p): name for name, p in gm.named_parameters()}
+
+    def of(self, nodes: Sequence[fx.Node]) -> list[str]:
+        used: dict[str, None] = {}
+        for n in nodes:
+            if n.op == "call_module":
+                for p in self.gm.get_submodule(str(n.target)).parameters():
+                    used[self.names[id(p)]] = None
+            elif n.op == "get_attr":
+                value = fetch_attr(self.gm, str(n.target))
+                if isinstance(value, torch.nn.Parameter):
+                    used[self.names[id(value)]] = None
+        return list(used)
+
+    def in_unit(self, unit: Sequence[fx.Node]) -> bool:
+        """Whether the unit's nodes, or the attributes they read, use a parameter."""
+        return bool(self.of([*unit, *(s for n in unit for s in n.all_input_nodes if s.op == "get_attr")]))
+
+    def first_user(self, unit: Sequence[fx.Node]) -> fx.Node:
+        """The unit's first node that uses a parameter (else its first node): the one it is named for."""
+        return next((n for n in unit if self.in_unit([n])), unit[0])
 
 
 def _target_name(node: fx.Node) -> str:
