@@ -65,6 +65,7 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
     owner = {node.name: name for name, unit in zip(names, units) for node in unit}
     effects = _effects(trace, nodes, tainted, units, names)
     output = next(n for n in graph.nodes if n.op == "output")
+    order = {n: i for i, n in enumerate(graph.nodes)}
     code: dict[str, LayerCode] = {}
     layers: list[Layer] = []
     meta: dict[str, ValueMeta] = {name: _input_meta(trace.leaves[name][0]) for name in batch_inputs}
@@ -86,7 +87,6 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
                 producer = owner.get(source.name, source.name)
                 reads.setdefault(producer, {})[source.name] = None
         closure = _closure(own, tainted)
-        order = {n: i for i, n in enumerate(graph.nodes)}
         evaluated = tuple(sorted({*closure, *own}, key=order.__getitem__))
         code[name] = LayerCode(evaluated, tuple(outputs), tuple((k, tuple(v)) for k, v in reads.items()))
         used = uses.of(evaluated)
@@ -143,7 +143,7 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
         tracer=trace.tracer,
         stochastic=bool(targets & _RANDOM),
         batch_statistics=bool(targets & _BATCH_STATISTICS),
-        guards=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=list(graph.nodes).index)),
+        guards=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=order.__getitem__)),
     )
 
 
