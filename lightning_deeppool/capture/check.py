@@ -41,7 +41,8 @@ def check_replay(captured: CapturedGraph, module: nn.Module, mapping: dict[str, 
         if isinstance(a, torch.Tensor) and not _close(a, b):
             raise CaptureError(
                 f"the captured graph does not reproduce forward: output leaf {i} differs "
-                f"(max difference {_diff(a, b):.3g}); the model has code deeppool's capture cannot replay"
+                f"(max difference {max_difference(a, b):.3g}); "
+                "the model has code deeppool's capture cannot replay"
             )
     for name, value in buffers.items():
         if not _close(value, after[name]):
@@ -150,7 +151,8 @@ def _close(a: Any, b: Any) -> bool:
     return bool(torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5, equal_nan=True))
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise difference (infinite when the shapes differ)."""
     if a.shape != b.shape:
         return float("inf")
     return (a.float() - b.float()).abs().max().item()

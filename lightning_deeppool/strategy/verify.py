@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph
+from lightning_deeppool.capture.check import max_difference
 from lightning_deeppool.capture.graph import preserved
 from lightning_deeppool.capture.values import samples_view
 
@@ -43,7 +44,7 @@ def first_difference(captured: CapturedGraph, step: Any, inputs: dict[str, Any])
             if not meta.per_rank:
                 got, want = samples_view(got, leaf)[:count], samples_view(want, leaf)[:count]
             if not _close(got.detach(), want):
-                difference = (got.detach().float() - want.float()).abs().max().item()
+                difference = max_difference(got.detach(), want)
                 return (
                     f"layer {layer.name!r} differs from its single-device value by up to {difference:.3g}; "
                     "please report this model to lightning-deeppool. Plan it as one layer with "
