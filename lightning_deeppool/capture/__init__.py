@@ -29,7 +29,7 @@ from lightning_deeppool.capture.graph import (
 from lightning_deeppool.capture.layers import cut_into_layers
 from lightning_deeppool.capture.record import GuardError, trace_by_recording
 from lightning_deeppool.capture.trace import CaptureError, Trace
-from lightning_deeppool.capture.values import LeafMeta, ValueMeta, repeat_first_sample
+from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 
 __all__ = [
     "CaptureError",
@@ -39,7 +39,6 @@ __all__ = [
     "ValueMeta",
     "capture_graph",
     "evaluate",
-    "repeat_first_sample",
 ]
 
 

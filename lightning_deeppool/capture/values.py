@@ -67,10 +67,6 @@ def rows_view(tensor: torch.Tensor, leaf: LeafMeta) -> torch.Tensor:
     return tensor.reshape(-1, *leaf.shape[1:])
 
 
-def sample_count(tensor: torch.Tensor, rows: int = 1) -> int:
-    return tensor.shape[0] // rows
-
-
 def take_samples(value: Any, count: int) -> Any:
     """`count` samples of every batch tensor leaf, cycling through the samples it has."""
 
@@ -81,14 +77,3 @@ def take_samples(value: Any, count: int) -> Any:
         return leaf.index_select(0, index)
 
     return pytree.tree_map(take, value)
-
-
-def repeat_first_sample(value: Any, batch_size: int) -> Any:
-    """Repeat the first sample of every batch tensor leaf to `batch_size` samples."""
-
-    def repeat(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf[:1].expand(batch_size, *leaf.shape[1:]).contiguous()
-        return leaf
-
-    return pytree.tree_map(repeat, value)
