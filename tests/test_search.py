@@ -30,6 +30,19 @@ def random_case(seed: int, make, max_layers: int, max_world: int):
     return graph, linear_profile(graph, random_times(graph, rng), max_batch=batch), world_size, batch
 
 
+def fastest_plan(graph, profile, world_size: int, batch: int):
+    """The search with no amplification limit and no preference for full width: the fastest plan."""
+    return search(
+        graph,
+        profile,
+        world_size=world_size,
+        global_batch_size=batch,
+        amplification_limit=INF,
+        min_gain=0,
+        tie_tolerance=0,
+    )
+
+
 def test_candidates_are_every_width_in_small_worlds():
     assert candidate_widths(5, 7) == [1, 2, 3, 4, 5]
 
@@ -46,15 +59,7 @@ def test_candidates_in_large_worlds_are_the_smallest_width_per_batch_plus_the_wo
 @pytest.mark.parametrize("seed", range(40))
 def test_chains_are_exactly_optimal_against_brute_force(seed):
     graph, profile, world_size, batch = random_case(seed, random_chain, max_layers=5, max_world=5)
-    plan = search(
-        graph,
-        profile,
-        world_size=world_size,
-        global_batch_size=batch,
-        amplification_limit=INF,
-        min_gain=0,
-        tie_tolerance=0,
-    )
+    plan = fastest_plan(graph, profile, world_size, batch)
     best, _ = brute_force(graph, profile, world_size=world_size, global_batch_size=batch)
     assert plan.predicted_step_time_s == pytest.approx(best, rel=1e-9)
 
@@ -62,15 +67,7 @@ def test_chains_are_exactly_optimal_against_brute_force(seed):
 @pytest.mark.parametrize("seed", range(25))
 def test_dags_with_residuals_and_joins_are_within_two_percent_of_brute_force(seed):
     graph, profile, world_size, batch = random_case(seed, random_dag, max_layers=8, max_world=4)
-    plan = search(
-        graph,
-        profile,
-        world_size=world_size,
-        global_batch_size=batch,
-        amplification_limit=INF,
-        min_gain=0,
-        tie_tolerance=0,
-    )
+    plan = fastest_plan(graph, profile, world_size, batch)
     best, _ = brute_force(graph, profile, world_size=world_size, global_batch_size=batch)
     assert best * (1 - 1e-12) <= plan.predicted_step_time_s <= 1.02 * best
     assert plan.predicted_step_time_s == pytest.approx(best, rel=1e-9)  # no beam truncation at this size
@@ -257,15 +254,7 @@ def test_a_batch_smaller_than_the_world_is_an_error():
 
 def test_a_beam_narrower_than_the_state_space_still_returns_a_valid_plan():
     graph, profile, world_size, batch = random_case(3, random_dag, max_layers=8, max_world=4)
-    exact = search(
-        graph,
-        profile,
-        world_size=world_size,
-        global_batch_size=batch,
-        amplification_limit=INF,
-        min_gain=0,
-        tie_tolerance=0,
-    )
+    exact = fastest_plan(graph, profile, world_size, batch)
     beam = search(
         graph, profile, world_size=world_size, global_batch_size=batch, amplification_limit=INF, max_states=2
     )
