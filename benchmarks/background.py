@@ -1,16 +1,19 @@
 """Background trainers: foreground step time without and with two background jobs, and throughput.
 
-    python benchmarks/background.py [--steps 100] [--runs 7]
+    python benchmarks/background.py [--steps 100] [--runs 7] [--plans long,short] [--devices N] [--batch 16]
 
-The VGG-like foreground of `vs_ddp.py` (cheap convolutions, 12.6M-parameter linear head, global
-batch 32) on 2 ranks with its automatic plan (profiled once, then reused from a cache so every run
-has the same plan), run alone and with two background jobs placed by the callback (defaults: one
-slot per device, so a second job on the same rank waits for the first to finish), alternately,
-`--runs` times; medians are reported. Each job is also trained alone in this process. Total
-throughput = the foreground's rate over its rate alone + each rank's background work in devices
-(the jobs' samples over their standalone rates, over the time the rank had jobs). CPU: gloo ranks,
-idle-window mode; with CUDA the same on the GPUs, priority mode. Every process runs with the same
-fixed malloc thresholds (see `vs_ddp.FIXED_MALLOC`). Writes benchmarks/results/background.json.
+The VGG-like foreground of `vs_ddp.py` (cheap convolutions, 12.6M-parameter linear head, `--batch`
+samples per device) under pinned plans, so every run and every machine gets the same one:
+``long`` runs the convolutions on every rank and the head on rank 0 (the other ranks wait most of
+each step), ``short`` runs every layer at full width (the waits are short), ``auto`` is the automatic
+plan. On one device (`--devices 1`, the default where there is a single GPU) there is no plan: the
+foreground is Lightning's single-device strategy. Each plan runs alone and with two background jobs
+placed by the callback (one slot per device, so a second job on a rank waits for the first),
+alternately, `--runs` times; medians are reported. Each job is also trained alone in this process.
+Total throughput = the foreground's rate over its rate alone + each rank's background work in
+devices (the jobs' samples over their standalone rates, over the time the rank had jobs). CPU: gloo
+ranks, idle-window mode; CUDA: priority mode. Every process runs with the same fixed malloc
+thresholds (see `vs_ddp.FIXED_MALLOC`). Writes `--out` (default benchmarks/results/background.json).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from lightning_deeppool.background.job import run_standalone
 from vs_ddp import FIXED_MALLOC, StepTimer, VGGLike
 
 RESULTS = Path(__file__).parent / "results" / "background.json"
+PLANS = {"long": {"features": "all", "head": 1}, "short": {"": "all"}, "auto": None}
 
 
 class Trial(pl.LightningModule):
@@ -88,8 +92,9 @@ class StepTimes(StepTimer):
         report = {
             "times": self.times,
             "jobs": background.summary() if background else [],
-            "idle_s": background.idle_step_s if background else [],
-            "active_s": background.active_step_s if background else [],
+            "held_s": background.pacing.held_s if background else [],
+            "active_s": background.pacing.active_s if background else [],
+            "held_by_trade": background.pacing.held_by_trade if background else 0,
             "duty": self.duties,
             "idle_fractions": background.idle_fractions if background else [],
             "end_s": time.perf_counter(),
@@ -97,17 +102,35 @@ class StepTimes(StepTimer):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
-def foreground(steps: int, jobs: list[BackgroundJob], out: Path, accelerator: str, cache: Path) -> list[dict]:
-    """One foreground run (automatic plan; the profile cache makes every run use the same plan)."""
+def strategy_for(plan: str, devices: int, cache: Path) -> DeepPoolStrategy | str:
+    """The pinned plan `plan` on `devices` ranks ("all" widths become the device count)."""
+    if devices == 1:
+        return "auto"
+    pins = PLANS[plan]
+    widths = {k: devices if v == "all" else v for k, v in pins.items()} if pins is not None else None
+    return DeepPoolStrategy(start_method="spawn", cache_dir=cache, plan=widths)
+
+
+def foreground(
+    steps: int,
+    jobs: list[BackgroundJob],
+    out: Path,
+    accelerator: str,
+    devices: int,
+    batch: int,
+    plan: str,
+    cache: Path,
+    max_slowdown: float,
+) -> list[dict]:
+    """One foreground run (the profile cache makes every auto run use the same plan)."""
     out.mkdir(parents=True, exist_ok=True)
-    callbacks: list[Callback] = [BackgroundTrainers(jobs)] if jobs else []
+    callbacks: list[Callback] = [BackgroundTrainers(jobs, max_slowdown=max_slowdown)] if jobs else []
     callbacks.append(StepTimes(out))
-    strategy = DeepPoolStrategy(start_method="spawn", cache_dir=cache)
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator=accelerator,
-        devices=2,
-        strategy=strategy,
+        devices=devices,
+        strategy=strategy_for(plan, devices, cache),
         max_steps=steps,
         callbacks=callbacks,
         logger=False,
@@ -116,17 +139,19 @@ def foreground(steps: int, jobs: list[BackgroundJob], out: Path, accelerator: st
         enable_model_summary=False,
         default_root_dir=str(out),
     )
-    trainer.fit(VGGLike(), DataLoader(images(16 * 2 * steps), batch_size=16))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    trainer.fit(VGGLike(), DataLoader(images(batch * devices * steps), batch_size=batch))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
 
 
-def standalone_rate(seed: int, checkpoint_dir: Path, device: torch.device, repeats: int = 3) -> float:
+def standalone_rate(
+    seed: int, checkpoint_dir: Path, device: torch.device, steps: int, repeats: int = 3
+) -> float:
     """The job's samples/s trained alone in this process (median of `repeats` fresh runs)."""
     rates = []
     for repeat in range(repeats):
         name = f"alone{seed}_{repeat}"
         job = BackgroundJob(
-            Trial, trial_data, max_steps=600, name=name, checkpoint_dir=checkpoint_dir, seed=seed
+            Trial, trial_data, max_steps=steps, name=name, checkpoint_dir=checkpoint_dir, seed=seed
         )
         rates.append(run_standalone(job, device).samples_per_s)
     return statistics.median(rates)
@@ -137,9 +162,9 @@ def held_slowdown(ranks: list[dict]) -> float | None:
     (warm-up and probe steps), from a rank that had jobs; steps take the same time on every rank.
     Immune to the machine's speed drifting between the alone and the shared run."""
     rank = next((r for r in ranks if r["active_s"]), None)
-    if rank is None or not rank["idle_s"]:
+    if rank is None or not rank["held_s"]:
         return None
-    return statistics.median(rank["active_s"]) / statistics.median(rank["idle_s"])
+    return statistics.median(rank["active_s"]) / statistics.median(rank["held_s"])
 
 
 def background_share(rank: dict, standalone: list[float]) -> float:
@@ -154,41 +179,30 @@ def background_share(rank: dict, standalone: list[float]) -> float:
     return device_s / seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--workdir", default="/tmp/deeppool_background_bench")
-    args = parser.parse_args()
-    if any(os.environ.get(key) != value for key, value in FIXED_MALLOC.items()):
-        # The standalone jobs run in this process: it too starts with the fixed allocator.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
-    cuda = torch.cuda.is_available()
-    accelerator = "cuda" if cuda else "cpu"
-    work = Path(args.workdir)
-    shutil.rmtree(work, ignore_errors=True)  # jobs would resume from an earlier run's checkpoints
+def measure_plan(
+    plan: str, args: argparse.Namespace, accelerator: str, standalone: list[float], work: Path
+) -> dict:
+    """`args.runs` alternating pairs of runs (alone, with jobs) of one plan, and their medians."""
     skip = 8  # planning and the callback's warm-up steps
-    device = torch.device("cuda" if cuda else "cpu")
-    standalone = [standalone_rate(i, work / "alone_ckpt", device) for i in range(2)]
-
     runs = []
     for run in range(args.runs):
-        alone = foreground(args.steps, [], work / f"alone{run}", accelerator, work / "profile")
+        where = work / plan
+        setting = (accelerator, args.devices, args.batch, plan, work / "cache", args.max_slowdown)
+        alone = foreground(args.steps, [], where / f"alone{run}", *setting)
         jobs = [
             BackgroundJob(
                 Trial,
                 trial_data,
                 max_steps=8 * args.steps,
                 name=f"trial{i}",
-                checkpoint_dir=work / f"ckpt{run}",
+                checkpoint_dir=where / f"ckpt{run}",
                 seed=i,
             )
             for i in range(2)
         ]
-        shared = foreground(args.steps, jobs, work / f"shared{run}", accelerator, work / "profile")
+        shared = foreground(args.steps, jobs, where / f"shared{run}", *setting)
         fg_alone = statistics.median(alone[0]["times"][skip:])
         fg_shared = statistics.median(shared[0]["times"][skip:])
-        rows = [job for rank in shared for job in rank["jobs"]]
         normalized = [background_share(rank, standalone) for rank in shared]
         runs.append(
             {
@@ -197,38 +211,71 @@ def main() -> None:
                 "foreground_slowdown": fg_shared / fg_alone,
                 "foreground_slowdown_vs_held_steps": held_slowdown(shared),
                 "idle_fractions": shared[0]["idle_fractions"],
+                "steps_held_by_trade_per_rank": [rank["held_by_trade"] for rank in shared],
                 "background_devices_per_rank": normalized,
                 "total_throughput_vs_foreground_alone": fg_alone / fg_shared + sum(normalized),
-                "background_jobs": rows,
+                "background_jobs": [job for rank in shared for job in rank["jobs"]],
             }
         )
-        print(f"run {run}: " + json.dumps({k: v for k, v in runs[-1].items() if k != "background_jobs"}))
+        print(
+            f"{plan} run {run}: " + json.dumps({k: v for k, v in runs[-1].items() if k != "background_jobs"})
+        )
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
-    result = {
-        "device": accelerator,
-        "world_size": 2,
-        "global_batch": 32,
-        "steps": args.steps,
-        "runs": args.runs,
+    held = [r["foreground_slowdown_vs_held_steps"] for r in runs if r["foreground_slowdown_vs_held_steps"]]
+    return {
         "foreground_step_ms_alone": median("foreground_step_ms_alone"),
         "foreground_step_ms_with_background": median("foreground_step_ms_with_background"),
         "foreground_slowdown": median("foreground_slowdown"),
         "foreground_slowdown_max": max(r["foreground_slowdown"] for r in runs),
-        "foreground_slowdown_vs_held_steps": statistics.median(
-            r["foreground_slowdown_vs_held_steps"] for r in runs if r["foreground_slowdown_vs_held_steps"]
-        ),
-        "background_samples_per_s_alone": standalone,
+        "foreground_slowdown_vs_held_steps": statistics.median(held) if held else None,
         "total_throughput_vs_foreground_alone": median("total_throughput_vs_foreground_alone"),
         "total_throughput_min": min(r["total_throughput_vs_foreground_alone"] for r in runs),
-        "targets": {"slowdown_at_most": 1.10, "total_at_least": 1.3},
         "per_run": runs,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "per_run"}, indent=1))
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--plans", default="long,short", help=f"comma-separated, of {sorted(PLANS)}")
+    parser.add_argument("--devices", type=int, default=(torch.cuda.device_count() if cuda else 2))
+    parser.add_argument("--batch", type=int, default=16, help="foreground samples per device")
+    parser.add_argument("--max-slowdown", type=float, default=1.10, help="BackgroundTrainers' limit")
+    parser.add_argument("--standalone-steps", type=int, default=600, help="steps of each job trained alone")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--workdir", default="/tmp/deeppool_background_bench")
+    args = parser.parse_args()
+    plans = args.plans.split(",") if args.devices > 1 else ["single"]
+    unknown = [plan for plan in plans if plan not in PLANS and plan != "single"]
+    if unknown:
+        parser.error(f"unknown plans {unknown}; choose from {sorted(PLANS)}")
+    if any(os.environ.get(key) != value for key, value in FIXED_MALLOC.items()):
+        # The standalone jobs run in this process: it too starts with the fixed allocator.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
+    accelerator = "cuda" if cuda else "cpu"
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)  # jobs would resume from an earlier run's checkpoints
+    device = torch.device(accelerator)
+    standalone = [standalone_rate(i, work / "alone_ckpt", device, args.standalone_steps) for i in range(2)]
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "world_size": args.devices,
+        "global_batch": args.batch * args.devices,
+        "steps": args.steps,
+        "runs": args.runs,
+        "background_samples_per_s_alone": standalone,
+        "targets": {"slowdown_at_most": args.max_slowdown, "total_at_least": 1.0},
+        "plans": {plan: measure_plan(plan, args, accelerator, standalone, work) for plan in plans},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    brief = {plan: {k: v for k, v in r.items() if k != "per_run"} for plan, r in result["plans"].items()}
+    print(json.dumps(brief, indent=1))
 
 
 if __name__ == "__main__":

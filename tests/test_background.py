@@ -18,10 +18,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
 from lightning_deeppool.background import assign_jobs
-from lightning_deeppool.background.callback import THREAD_PREFIX, check_pins
 from lightning_deeppool.background.gate import Gate
 from lightning_deeppool.background.job import run_standalone
-from lightning_deeppool.background.throttle import DutyControl, choose_mode, may_run, window_budget
+from lightning_deeppool.background.pacing import Pacing
+from lightning_deeppool.background.placement import check_pins, idle_share
+from lightning_deeppool.background.pool import THREAD_PREFIX
+from lightning_deeppool.background.throttle import (
+    FIRST_HOLD_STEPS,
+    DutyControl,
+    TradeCheck,
+    choose_mode,
+    foreground_loss,
+    may_run,
+    window_budget,
+)
+from lightning_deeppool.planner.plan import LayerPlan, Plan
 from lightning_deeppool.strategy.idle import HISTORY, IdleWindows
 
 
@@ -201,6 +212,95 @@ def test_duty_stays_within_its_bounds() -> None:
         low.update(baseline_s=0.0, observed_s=1.0)
 
 
+def test_foreground_loss_is_the_share_of_its_rate_lost() -> None:
+    assert foreground_loss(baseline_s=0.1, observed_s=0.125) == pytest.approx(0.2)
+    assert foreground_loss(baseline_s=0.1, observed_s=0.1) == 0.0
+
+
+def test_trade_holds_the_jobs_after_two_windows_that_gain_less_than_the_foreground_loses() -> None:
+    trade = TradeCheck()
+    trade.record(gain=0.02, loss=0.08)
+    assert not trade.tick()
+    trade.record(gain=0.02, loss=0.08)
+    assert [trade.tick() for _ in range(FIRST_HOLD_STEPS + 1)] == [True] * FIRST_HOLD_STEPS + [False]
+
+
+def test_trade_doubles_each_hold_until_a_window_pays() -> None:
+    trade = TradeCheck()
+    for _ in range(4):
+        trade.record(gain=0.0, loss=0.05)
+    assert (trade.holds, trade.held_left, trade.hold_steps) == (2, 2 * FIRST_HOLD_STEPS, 4 * FIRST_HOLD_STEPS)
+    trade.record(gain=0.4, loss=0.01)
+    assert (trade.losing, trade.hold_steps) == (0, FIRST_HOLD_STEPS)
+
+
+def test_a_losing_window_between_paying_ones_does_not_hold() -> None:
+    trade = TradeCheck()
+    for gain in (0.0, 0.3, 0.0, 0.3):
+        trade.record(gain=gain, loss=0.05)
+    assert (trade.holds, trade.tick()) == (0, False)
+
+
+def run_pacing(pacing: Pacing, steps: int, *, step_s: float, work_per_step_s: float) -> list[bool]:
+    """Drive `pacing` through `steps` made-up steps (1 s baseline steps): `step_s` long while the
+    jobs run, and the jobs progress `work_per_step_s` device-seconds per running step. Returns
+    whether the jobs were held, step by step."""
+    now, work, held = 0.0, 0.0, []
+    for _ in range(steps):
+        pacing.batch_start(now, running=True, work_s=work)
+        held.append(pacing.held)
+        now += 1.0 if pacing.held else step_s
+        work += 0.0 if pacing.held else work_per_step_s
+        pacing.batch_end()
+    return held
+
+
+def pacing(require_gain: bool = True) -> Pacing:
+    return Pacing(max_slowdown=1.1, require_gain=require_gain, settle_steps=1, probe_every=20, adjust_every=5)
+
+
+def test_pacing_holds_jobs_that_slow_the_foreground_more_than_they_gain() -> None:
+    losing = pacing()
+    held = run_pacing(losing, 120, step_s=1.08, work_per_step_s=0.03)  # loses 7%, gains 3%
+    assert losing.trade is not None and losing.trade.holds >= 1
+    assert sum(held[60:]) > 40  # mostly held once the trade check has seen two windows
+    assert losing.duty == 1.0  # within max_slowdown: the duty alone would have let them run
+
+
+def test_pacing_lets_jobs_run_that_gain_more_than_the_foreground_loses() -> None:
+    paying = pacing()
+    held = run_pacing(paying, 120, step_s=1.02, work_per_step_s=0.4)
+    assert paying.trade is not None and paying.trade.holds == 0
+    assert sum(held[60:]) <= 4  # only the probe steps
+    assert paying.held_by_trade == 0
+
+
+def test_pacing_without_require_gain_lets_jobs_take_up_to_the_slowdown_limit() -> None:
+    slicing = pacing(require_gain=False)
+    held = run_pacing(slicing, 120, step_s=1.08, work_per_step_s=0.03)
+    assert slicing.trade is None and sum(held[60:]) <= 4
+
+
+def test_pacing_halves_the_duty_when_the_foreground_slows_beyond_the_limit() -> None:
+    slow = pacing(require_gain=False)
+    run_pacing(slow, 60, step_s=1.3, work_per_step_s=0.5)
+    assert slow.duty < 0.5
+    assert 1.3 in slow.active_s and slow.baseline_s() == 1.0
+
+
+def test_cpu_ranks_place_by_measured_idle_share_and_cuda_ranks_by_the_plan() -> None:
+    layers = tuple(
+        LayerPlan(name=name, module=name, width=width, compute_s=s, sync_s=0.0, transfer_s=0.0, params=0)
+        for name, width, s in (("conv", 2, 0.03), ("head", 1, 0.01))
+    )
+    plan = Plan(2, 8, 2.0, 0.04, 0.04, "graph", layers)
+    assert idle_share(cuda=False, plan=plan, rank=1, warmup_idle=[0.1, 0.5, 0.2]) == 0.2
+    assert idle_share(cuda=True, plan=plan, rank=1, warmup_idle=[0.9]) == pytest.approx(0.25)
+    assert idle_share(cuda=True, plan=plan, rank=0, warmup_idle=[0.9]) == 0.0
+    assert idle_share(cuda=True, plan=None, rank=1, warmup_idle=[0.9]) == 0.0
+    assert idle_share(cuda=False, plan=None, rank=1, warmup_idle=[]) == 0.0
+
+
 def test_between_steps_window_is_the_slowdown_allowance_scaled_by_duty() -> None:
     assert window_budget(0.1, max_slowdown=1.1, duty=0.5) == pytest.approx(0.005)
 
@@ -250,7 +350,7 @@ def test_jobs_progress_queue_and_checkpoint_on_one_device(tmp_path: Path) -> Non
         BackgroundJob(lambda: Trial(lr=0.05), trial_loader, max_steps=4, name="a", checkpoint_every=2),
         BackgroundJob(Trial(lr=0.2), trial_loader, max_steps=3, name="b"),
     ]
-    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=3)
+    callback = BackgroundTrainers(jobs, max_slowdown=5.0, require_gain=False, warmup_steps=3)
     fit_single(40, [callback], tmp_path)
     assert callback.resolved_mode == "between_steps"
     assert [(r["name"], r["state"], r["global_step"]) for r in callback.summary()] == [
@@ -293,7 +393,9 @@ def test_failing_and_oom_jobs_are_reported_and_leave_the_foreground_untouched(tm
         BackgroundJob(lambda: Trial(oom_at=1), trial_loader, name="oom"),
         BackgroundJob(lambda: Trial(), trial_loader, max_steps=2, name="fine"),
     ]
-    callback = BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=3, slots_per_device=2)
+    callback = BackgroundTrainers(
+        jobs, max_slowdown=5.0, require_gain=False, warmup_steps=3, slots_per_device=2
+    )
     weights = fit_single(12, [callback], tmp_path / "bg")
     rows = {r["name"]: r for r in callback.summary()}
     assert (rows["diverges"]["state"], rows["diverges"]["global_step"]) == ("failed", 1)
@@ -319,7 +421,7 @@ class SchedulerPolicy(Trial):
 def test_job_threads_run_in_the_idle_scheduling_class_and_the_foreground_does_not(tmp_path: Path) -> None:
     SchedulerPolicy.policies = []
     jobs = [BackgroundJob(SchedulerPolicy, trial_loader, max_steps=2, name="policy")]
-    fit_single(8, [BackgroundTrainers(jobs, max_slowdown=5.0, warmup_steps=3)], tmp_path)
+    fit_single(8, [BackgroundTrainers(jobs, max_slowdown=5.0, require_gain=False, warmup_steps=3)], tmp_path)
     assert SchedulerPolicy.policies == [os.SCHED_IDLE, os.SCHED_IDLE]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
@@ -341,6 +443,19 @@ class LongPiece(Trial):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.busy(torch.relu(self.a(x))))
+
+
+def test_a_job_counts_each_piece_as_its_shortest_recent_duration(tmp_path: Path) -> None:
+    run = BackgroundJob(Trial(), trial_loader, name="t", checkpoint_dir=tmp_path).build(torch.device("cpu"))
+    now = [0.0]
+    run._clock = lambda: now[0]  # made-up piece durations instead of the thread's CPU time
+    gate = Gate(IdleWindows(), "priority")
+    run._enter(gate, step_start=True)
+    for piece_s, step_start in ((1.0, False), (2.0, True), (3.0, False), (2.0, True), (1.5, False)):
+        now[0] += piece_s
+        run._enter(gate, step_start=step_start)
+    # place 0 took 1, 3 (slowed: counts 1), 1.5 (counts 1); place 1 took 2 and 2.
+    assert run.job.stats.work_s == pytest.approx(1 + 2 + 1 + 2 + 1)
 
 
 def test_a_piece_that_does_not_fit_the_windows_left_waits_at_its_safe_point(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ def test_table_has_a_row_per_device_count_and_the_gains():
     assert lines[0].split()[:3] == ["devices", "DDP", "ms"]
     assert [line.split()[0] for line in lines[1:3]] == ["2", "8"]
     assert lines[2].endswith("x")
-    assert lines[3].startswith("global batch 32; background fill at efficiency 0.6,")
+    assert lines[3].startswith("global batch 32; background fill at efficiency 0.4,")
 
 
 def test_the_assumptions_name_the_links_the_algorithm_and_what_is_left_out():

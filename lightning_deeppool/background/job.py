@@ -53,6 +53,9 @@ class JobStats:
     started_s: float | None = None
     ended_s: float | None = None
     error: str | None = None
+    # Progress in device-seconds: each piece counts as the shortest of its recent durations (its
+    # time unslowed by sharing), however long sharing made it take this time.
+    work_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -279,7 +282,9 @@ class JobRun:
 
         piece_s = self._clock() - self._piece_start
         if self._place >= 0:
-            self._durations.setdefault(self._place, deque(maxlen=_PIECE_HISTORY)).append(piece_s)
+            recent = self._durations.setdefault(self._place, deque(maxlen=_PIECE_HISTORY))
+            recent.append(piece_s)
+            stats.work_s += min(recent)
         self._place = 0 if step_start else self._place + 1
         history = self._durations.get(self._place)
         gate.enter(piece_s, statistics.median(history) if history else 0.0, paused)

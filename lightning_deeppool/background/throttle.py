@@ -6,7 +6,9 @@ Modes:
     ``"between_steps"``: the fallback without idle windows (one device, plain DDP, ...): the callback
         opens a window of ``(max_slowdown - 1) * duty * baseline`` seconds after each foreground step.
 Every mode is paced by a duty (the share of time background pieces may take), adapted so that the
-foreground's step time stays within ``max_slowdown`` of its time without background.
+foreground's step time stays within ``max_slowdown`` of its time without background (`DutyControl`),
+and the jobs are held while what they gain is worth less than what the foreground loses
+(`TradeCheck`): background work must never lower total throughput.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ MODES: tuple[str, ...] = ("idle", "priority", "between_steps")
 MIN_DUTY = 1 / 64
 DUTY_STEP = 1 / 8
 STRIKES = 2
+FIRST_HOLD_STEPS = 40
+MAX_HOLD_STEPS = 640
 
 
 def choose_mode(requested: str, *, cuda: bool, has_windows: bool) -> Mode:
@@ -100,3 +104,44 @@ def window_budget(baseline_s: float, *, max_slowdown: float, duty: float) -> flo
     """Length of the between-steps window: the slowdown allowance of one foreground step, scaled
     by the duty."""
     return max(0.0, (max_slowdown - 1.0) * baseline_s * duty)
+
+
+def foreground_loss(*, baseline_s: float, observed_s: float) -> float:
+    """The share of its rate the foreground loses when its step takes `observed_s` instead of
+    `baseline_s` (negative when it measured faster)."""
+    return 1.0 - baseline_s / observed_s
+
+
+@dataclass
+class TradeCheck:
+    """Whether background work pays: the jobs' gain (their progress in device-equivalents: seconds
+    of their own unshared step time per second) against the foreground's loss (`foreground_loss`).
+
+    After `STRIKES` windows in a row that do not pay, the jobs are held for `hold_steps` foreground
+    steps; each hold that ends in another failing trade doubles the next one (up to
+    `MAX_HOLD_STEPS`), and a window that pays resets it. One rank's jobs must make up for the whole
+    foreground's loss: conservative for several ranks with jobs, and it needs no communication."""
+
+    hold_steps: int = FIRST_HOLD_STEPS
+    held_left: int = 0
+    losing: int = 0
+    holds: int = 0
+
+    def record(self, *, gain: float, loss: float) -> None:
+        if gain >= loss:
+            self.losing = 0
+            self.hold_steps = FIRST_HOLD_STEPS
+            return
+        self.losing += 1
+        if self.losing >= STRIKES:
+            self.losing = 0
+            self.held_left = self.hold_steps
+            self.holds += 1
+            self.hold_steps = min(MAX_HOLD_STEPS, 2 * self.hold_steps)
+
+    def tick(self) -> bool:
+        """One foreground step passes: whether the jobs are held during it."""
+        if self.held_left <= 0:
+            return False
+        self.held_left -= 1
+        return True

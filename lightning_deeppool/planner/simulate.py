@@ -12,7 +12,7 @@ devices:
   device at batch B, so an idle device-second yields ``efficiency * B / T1`` samples, where T1 is the
   single-device step time at batch B. ``efficiency`` is the share of idle time background work really
   turns into progress. The default, `DEFAULT_BACKGROUND_EFFICIENCY`, is about what
-  `benchmarks/background.py` measured on CPU (rank 1 turned 58% of its step, idle, into 0.38 of a
+  `benchmarks/background.py` measured on CPU (rank 1 turned 64% of its step, idle, into 0.26 of a
   device); on GPUs it has not been measured: state your own. `assumptions` spells out the rest.
 """
 
@@ -27,7 +27,7 @@ from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.profile import AlphaBeta, Profile
 from lightning_deeppool.planner.search import search
 
-DEFAULT_BACKGROUND_EFFICIENCY = 0.6
+DEFAULT_BACKGROUND_EFFICIENCY = 0.4
 
 
 @dataclass(frozen=True)
