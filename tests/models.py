@@ -8,6 +8,7 @@ never imports lightning_deeppool: checkpoints are loaded through it in a plain p
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -177,6 +178,40 @@ def reference_fit(
     trainer = pl.Trainer(**trainer_kwargs(devices=1, use_distributed_sampler=False, **overrides))
     trainer.fit(model, reference_loader(dataset, global_batch, seed), val_dataloaders, ckpt_path=ckpt_path)
     return trainer
+
+
+class LossLog(pl.Callback):
+    """The training loss of every step, as a float."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit_one_device(
+    strategy: Any, steps: int = 6, **overrides: Any
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train the convnet classifier `steps` steps on one device under `strategy`, in this process:
+    its parameters and per-step losses. The environment and process group a distributed strategy
+    sets up here are undone, so later tests' launchers do not think they were started by one."""
+    model = make_model("convnet")
+    log = LossLog()
+    pl.seed_everything(SEED, verbose=False)
+    kwargs = trainer_kwargs(devices=1, max_steps=steps, strategy=strategy, callbacks=[log], **overrides)
+    environ = dict(os.environ)
+    try:
+        with tempfile.TemporaryDirectory() as root:  # the plan file lands there
+            pl.Trainer(default_root_dir=root, **kwargs).fit(model, DataLoader(images(64), batch_size=8))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    return parameters(model), log.losses
 
 
 def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

@@ -1,14 +1,16 @@
-"""CUDA paths: CUDA-event profiling and peak memory, NCCL burst runtime, 16-mixed. Skipped without CUDA
-(tests/conftest.py); the multi-GPU ones also need two devices."""
+"""CUDA paths: CUDA-event profiling and peak memory, 16-mixed and bf16-mixed on the runtime, NCCL
+burst runtime. Skipped without CUDA (tests/conftest.py); the multi-GPU ones also need two devices."""
 
 import pytest
 import torch
 from torch import nn
 
+from lightning_deeppool import DeepPoolStrategy
 from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.planner.profiler import profile_layers
 
 from distributed import run_distributed
+from models import fit_one_device, max_param_diff
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -33,6 +35,18 @@ def test_cuda_profile_has_event_times_and_growing_peak_memory():
     assert all(s > 0 for s in conv.seconds)
     assert conv.peak_bytes is not None
     assert conv.peak_bytes[1] > conv.peak_bytes[0]
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_on_one_gpu_trains_like_lightnings_ddp(precision: str):
+    reference, reference_losses = fit_one_device("ddp", accelerator="cuda", precision=precision)
+    strategy = DeepPoolStrategy(cache_dir=False, profile_warmup=1, profile_repeats=1)
+    planned, losses = fit_one_device(strategy, accelerator="cuda", precision=precision)
+    # The same kernels in the same order (cuDNN may pick another algorithm for a captured call);
+    # half precision moves the losses by about 1e-3 from float32's, so 1e-4 tells them apart.
+    assert max_param_diff(planned, reference) < 1e-4
+    assert losses == pytest.approx(reference_losses, abs=1e-4)
+    assert all(p.dtype == torch.float32 for p in planned.values())  # master weights stay float32
 
 
 def _nccl_gradients(rank: int) -> float:

@@ -48,20 +48,22 @@ class ForwardCalls:
         target.forward = forward  # type: ignore[method-assign]
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.in_training_step and self.agreement is not None and self.agreement.agree(call_site()):
+        # A rank alone (one device) agrees with itself: every call of its training step is planned.
+        if self.in_training_step and (self.agreement is None or self.agreement.agree(call_site())):
             return self._planned(args, kwargs)
         return self._local(args, kwargs)
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
-        assert self.agreement is not None
-        self.agreement.begin_step()
+        if self.agreement is not None:
+            self.agreement.begin_step()
         self.in_training_step = True
         try:
             yield
         finally:
             self.in_training_step = False
-            self.agreement.end_step()
+            if self.agreement is not None:
+                self.agreement.end_step()
 
     # ---------------------------------------------------------------------------------- calls
     def _planned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
