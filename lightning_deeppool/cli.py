@@ -498,3 +498,7 @@ def _search_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="per-link latency of collectives in microseconds (default: the point-to-point figure)",
     )
+
+
+if __name__ == "__main__":
+    main()

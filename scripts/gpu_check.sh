@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run for a machine with CUDA (e.g. the lent H200):
-# the CUDA-marked tests, then the strategy and background benchmarks on the GPU.
-# Results land in $OUT (when set) or ./gpu-results.
+# The GPU check in one call, for a machine with CUDA and no package index (the lent H200: its own
+# Python with torch and lightning, no jsonargparse). Missing pure-Python packages come from .whl/
+# (fill it with scripts/gpu_wheels.sh where pip works, and carry it along); nothing is fetched. The
+# package runs from this checkout (PYTHONPATH), not installed. Results go to $OUT (or ./gpu-results),
+# which must be empty; see scripts/gpu_check.py. `--rehearse` runs the same steps on CPU, quickly.
+# PYTHON picks the interpreter (default: python3).
 set -uo pipefail
-out="${OUT:-gpu-results}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q -e ".[test]" 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -m gpu -v tests 2>&1 | tee "$out/gpu-tests.log"
-tests_rc=${PIPESTATUS[0]}
-if [ -f benchmarks/background.py ]; then
-    timeout 240 python3 benchmarks/background.py 2>&1 | tee "$out/background-bench.log"
+cd "$(dirname "$0")/.."
+python="${PYTHON:-python3}"
+site="${TMPDIR:-/tmp}/deeppool-gpu-site"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl || { echo "gpu check: installing .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-cp benchmarks/results/*.json "$out/" 2>/dev/null || true
-exit "$tests_rc"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$python" scripts/gpu_check.py --out "${OUT:-gpu-results}" "$@"
