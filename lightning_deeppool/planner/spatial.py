@@ -1,0 +1,90 @@
+"""Spatial splits: which rows of a sample each part holds, and which rows a spatially local operation
+(convolution, pooling) needs from the neighbouring parts (its halo).
+
+A spatial dimension of `size` rows split in `parts` holds them contiguously and as evenly as possible,
+earlier parts taking the remainder (`layout.balanced`, as for samples). An operation's output is split
+the same way over its own rows, so every part computes the output rows it holds and reads the input
+rows those need: its own, a few of its neighbours' (`halo_moves`), and zeros (or the pooling fill)
+where the window hangs over the sample's edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lightning_deeppool.planner.layout import Transfer, balanced, offsets
+
+
+@dataclass(frozen=True)
+class Window:
+    """A spatially local operation along one dimension: output row i reads the input rows
+    ``i * stride - padding + j * dilation`` for j in 0..kernel-1 (outside 0..size-1: padding)."""
+
+    kernel: int = 1
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kernel < 1 or self.stride < 1 or self.dilation < 1 or self.padding < 0:
+            raise ValueError(f"not a valid window: {self}")
+
+    def output_size(self, size: int) -> int:
+        """Output rows for `size` input rows (as `torch.nn.functional.conv2d` computes them)."""
+        return max(0, (size + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1)
+
+    def reads(self, start: int, stop: int) -> tuple[int, int]:
+        """The input rows ``[first, last + 1)`` that output rows ``[start, stop)`` read, padding
+        included (may reach below 0 or beyond the input)."""
+        return start * self.stride - self.padding, (stop - 1) * self.stride - self.padding + self.extent
+
+    @property
+    def extent(self) -> int:
+        """Input rows one output row reads, first to last."""
+        return self.dilation * (self.kernel - 1) + 1
+
+
+class Slab(NamedTuple):
+    """The input a part needs for its output rows: rows ``[start, stop)`` of the sample, with
+    `before` and `after` padding rows around them. Empty when the part holds no output rows."""
+
+    start: int
+    stop: int
+    before: int
+    after: int
+
+    @property
+    def rows(self) -> int:
+        return self.before + (self.stop - self.start) + self.after
+
+
+def row_parts(size: int, parts: int) -> tuple[int, ...]:
+    """Rows each part holds of a dimension of `size` rows split in `parts`."""
+    return balanced(size, parts, parts)
+
+
+def slab(window: Window, size: int, parts: int, index: int) -> Slab:
+    """The input slab part `index` needs to compute the output rows it holds."""
+    out_counts = row_parts(window.output_size(size), parts)
+    start = offsets(out_counts)[index]
+    stop = start + out_counts[index]
+    if stop == start:
+        return Slab(0, 0, 0, 0)
+    first, end = window.reads(start, stop)
+    return Slab(max(first, 0), min(end, size), max(0, -first), max(0, end - size))
+
+
+def halo_moves(window: Window, size: int, parts: int) -> list[Transfer]:
+    """Input rows that move between parts so each has its slab: `Transfer(src, dst, start, rows)`
+    with `start` a row of the sample, sorted by (src, dst). Rows a part holds itself do not move."""
+    counts = row_parts(size, parts)
+    starts = offsets(counts)
+    moves = []
+    for src in range(parts):
+        for dst in range(parts):
+            need = slab(window, size, parts, dst)
+            lo, hi = max(starts[src], need.start), min(starts[src] + counts[src], need.stop)
+            if src != dst and hi > lo:
+                moves.append(Transfer(src, dst, lo, hi - lo))
+    return moves
