@@ -97,6 +97,13 @@ def test_buckets_split_at_the_size_limit():
     assert [b.params for b in schedule.buckets] == [("head.w",), ("c.w", "b.w"), ("a.w",)]
 
 
+def test_the_first_bucket_holds_at_most_a_megabyte_so_an_all_reduce_starts_early_in_backward():
+    megabyte = 1 << 20
+    sizes = {"a.w": megabyte // 2, "b.w": megabyte // 2, "c.w": megabyte // 2, "head.w": megabyte // 2}
+    schedule = build_schedule(GRAPH, dict.fromkeys(MIXED, 2), PARAMS, sizes, 2, bucket_bytes=25 * megabyte)
+    assert [b.params for b in schedule.buckets] == [("head.w", "c.w"), ("b.w", "a.w")]
+
+
 def test_every_action_round_trips_through_its_text():
     schedule = _schedule(MIXED, 3)
     for action in (*schedule.forward, *schedule.backward):

@@ -16,6 +16,8 @@ from lightning_deeppool.planner.graph import LayerGraph
 from lightning_deeppool.planner.plan import equal_width_runs
 from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES
 
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -180,7 +182,8 @@ def plan_buckets(
 
     Returns the buckets and, per stage index, the buckets that can be launched after its backward.
     A parameter is final once every stage using it has run backward. Width-1 parameters need no
-    all-reduce and are left out.
+    all-reduce and are left out. As in DDP, the first bucket holds at most `FIRST_BUCKET_BYTES`, so an
+    all-reduce starts early in backward instead of after the whole of a large stage.
     """
     first_user: dict[str, int] = {}
     for stage in stages:
@@ -194,6 +197,9 @@ def plan_buckets(
         buckets.append(Bucket(len(buckets), width, tuple(chunk)))
         ready_after.setdefault(stage, []).append(buckets[-1].index)
 
+    def limit() -> int:
+        return bucket_bytes if buckets else min(bucket_bytes, FIRST_BUCKET_BYTES)
+
     for stage in reversed(stages):
         # Backward meets a stage's parameters in reverse forward order: bucket them that way.
         final = [p for p, s in first_user.items() if s == stage.index and param_widths[p] > 1][::-1]
@@ -204,13 +210,13 @@ def plan_buckets(
             chunk: list[str] = []
             chunk_bytes = 0
             for param in by_width[width]:
-                if param_bytes[param] >= bucket_bytes and chunk:
+                if param_bytes[param] >= limit() and chunk:
                     # A parameter as large as a bucket goes alone: it is reduced without a copy.
                     close(stage.index, width, chunk)
                     chunk, chunk_bytes = [], 0
                 chunk.append(param)
                 chunk_bytes += param_bytes[param]
-                if chunk_bytes >= bucket_bytes:
+                if chunk_bytes >= limit():
                     close(stage.index, width, chunk)
                     chunk, chunk_bytes = [], 0
             if chunk:
