@@ -37,6 +37,18 @@ def test_hugging_face_gpt2_is_exported_with_a_symbolic_batch_size():
         assert _close(model(ids[:3], ids[:3]), _replayed(captured, ids[:3], ids[:3]))
 
 
+def test_hugging_face_gpt2s_tied_embedding_is_listed_with_the_layers_that_share_it():
+    ids = tokens(4).tensors[0]
+    graph = capture_graph(GPT2(), (ids, ids)).graph
+    wte = graph.layer("model_transformer_wte")
+    assert [(t.param, t.param_bytes, t.users) for t in graph.tied] == [
+        ("model.lm_head.weight", VOCAB * 32 * 4, ("model_transformer_wte", "model_lm_head"))
+    ]
+    # Counted once, at its first user (which also holds the position embedding); export names it by
+    # the head.
+    assert wte.param_bytes == (VOCAB + SEQ) * 32 * 4
+
+
 def test_a_loss_computed_inside_forward_is_a_per_rank_layer():
     torch.manual_seed(0)
     ids = tokens(4).tensors[0]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.graph import LayerGraph, Tied
 from lightning_deeppool.planner.layout import balanced, busiest_rank_samples
 from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 
@@ -70,6 +71,35 @@ def test_sync_is_zero_on_one_device_and_the_allreduce_otherwise():
     assert cost.sync_time(SLOW_LINK, big, 1) == 0.0
     assert cost.sync_time(SLOW_LINK, big, 4) == SLOW_LINK.allreduce_time(4, 4_000_000)
     assert cost.sync_time(SLOW_LINK, big, 4) > 0
+
+
+def tied_graph() -> LayerGraph:
+    """An embedding whose 1M-parameter weight the output head shares (counted at the embedding)."""
+    layers = [
+        layer("emb", ["x"], params=1_000_000),
+        layer("body", ["emb"], params=1000),
+        layer("head", ["body"], params=10),
+    ]
+    return dataclasses.replace(graph_of(layers), tied=(Tied("emb.weight", 4_000_000, ("emb", "head")),))
+
+
+def test_a_shared_parameter_is_synced_once_among_its_widest_users_devices():
+    graph = tied_graph()
+    profile = linear_profile(graph, dict.fromkeys(("emb", "body", "head"), (1e-4, 1e-5)), max_batch=8)
+    costs = cost.evaluate(graph, profile, {"emb": 1, "body": 2, "head": 2}, world_size=2, global_batch_size=8)
+    assert costs.layers["emb"].sync_s == 0.0
+    assert costs.layers["head"].sync_s == SLOW_LINK.allreduce_time(2, 40 + 4_000_000)
+    assert cost.synced_bytes(graph, {"emb": 2, "body": 2, "head": 1}) == {
+        "emb": 4_000_000,
+        "body": 4000,
+        "head": 40,
+    }
+
+
+def test_shared_parameters_round_trip_through_the_graphs_json_and_stay_out_of_graphs_without_them():
+    graph = tied_graph()
+    assert LayerGraph.from_dict(graph.to_dict()) == graph
+    assert "tied" not in chain(2).to_dict()
 
 
 def test_transfer_is_zero_between_equal_widths():

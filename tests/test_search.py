@@ -1,11 +1,13 @@
 """Search: optimal against brute force, hard amplification limit, pins, memory budget, input errors."""
 
+import dataclasses
 import math
 import random
 
 import pytest
 
 from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.graph import Tied
 from lightning_deeppool.planner.search import amplification, candidate_widths, search
 
 from planner_fixtures import (
@@ -270,3 +272,18 @@ def test_a_plan_gaining_less_than_min_gain_over_full_width_gives_way_to_it():
     assert 0 < gain < 1 and set(burst.widths().values()) != {4}
     assert search(graph, profile, **sizes, min_gain=gain + 0.01).widths() == dict.fromkeys(burst.widths(), 4)
     assert search(graph, profile, **sizes, min_gain=gain - 0.01).widths() == burst.widths()
+
+
+def test_a_plan_that_only_seems_to_save_a_shared_parameters_all_reduce_gives_way_to_full_width():
+    # The embedding's weight is the head's too: at width 1 the embedding seems to skip the 4 MB
+    # all-reduce, but the runtime reduces the weight among the head's devices all the same.
+    layers = [
+        layer("emb", ["x"], params=1_000_000),
+        layer("body", ["emb"], params=1000),
+        layer("head", ["body"], params=10),
+    ]
+    graph = dataclasses.replace(graph_of(layers), tied=(Tied("emb.weight", 4_000_000, ("emb", "head")),))
+    times = {"emb": (1e-4, 1e-6), "body": (1e-4, 1e-3), "head": (1e-4, 1e-3)}
+    plan = search(graph, linear_profile(graph, times, max_batch=8), world_size=2, global_batch_size=8)
+    assert plan.widths() == {"emb": 2, "body": 2, "head": 2}
+    assert plan.predicted_step_time_s == pytest.approx(plan.predicted_ddp_step_time_s)

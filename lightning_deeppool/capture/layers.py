@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode, fetch_attr
 from lightning_deeppool.capture.trace import CaptureError, Leaf, Trace, describe, where
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
-from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
+from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph, Tied
 
 # Operations whose results the first-step check cannot compare with one device's.
 _BATCH_STATISTICS = {
@@ -122,10 +122,19 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
                 "is not dimension 0 (or which mixes batch and other values); deeppool returns outputs to "
                 "the ranks holding their samples, so return tensors with the batch dimension first"
             )
+    users: dict[str, list[str]] = {}
+    for name in names:
+        for param in layer_params[name]:
+            users.setdefault(param, []).append(name)
     layer_graph = LayerGraph(
         inputs=tuple(GraphInput(name, meta[name].sample_bytes) for name in batch_inputs),
         layers=tuple(layers),
         outputs=tuple(s for s in [*batch_inputs, *names] if s in sources),
+        tied=tuple(
+            Tied(param, params[param].numel() * params[param].element_size(), tuple(by))
+            for param, by in users.items()
+            if len(by) > 1
+        ),
     )
     guards = _closure([trace.node(g) for g in trace.guards], tainted)
     targets = {_target_name(n) for n in nodes}

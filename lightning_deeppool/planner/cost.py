@@ -4,7 +4,9 @@ A step costs, per layer: compute (profiled fwd+bwd time at the per-device batch 
 sync (all-reduce of its gradients among its ``w`` devices) and transfer (redistributing activations
 forward and their gradients backward on every edge whose ends have different widths). Graph inputs and
 outputs live at width N. An edge's transfer is charged to the consuming layer; the return of a graph
-output to width N is charged to the layer that produces it.
+output to width N is charged to the layer that produces it. A parameter several layers share is
+all-reduced once, among the devices of its widest user, and charged there (`synced_bytes`); the
+search's dynamic programme, which sees one layer at a time, charges it to its first user instead.
 """
 
 from __future__ import annotations
@@ -85,6 +87,17 @@ def sync_time(comm: CommProfile, layer: Layer, width: int) -> float:
     return comm.allreduce_time(width, layer.param_bytes)
 
 
+def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]:
+    """Gradient bytes each layer's sync all-reduces under `widths`: its own parameters, a shared one
+    moved from its first user to its widest (the first of them), where the runtime reduces it."""
+    synced = {layer.name: layer.param_bytes for layer in graph.layers}
+    for tied in graph.tied:
+        widest = max(tied.users, key=lambda name: (widths[name], -graph.position(name)))
+        synced[tied.users[0]] -= tied.param_bytes
+        synced[widest] += tied.param_bytes
+    return synced
+
+
 def transfer_time(
     comm: CommProfile,
     sample_bytes: int,
@@ -153,6 +166,7 @@ def evaluate(
             global_batch_size=global_batch_size,
         )
 
+    synced = synced_bytes(graph, widths)
     transfer = {layer.name: 0.0 for layer in graph.layers}
     for producer, consumer in edges(graph):
         transfer[consumer] += move(producer, width_of(producer), widths[consumer])
@@ -162,7 +176,7 @@ def evaluate(
         {
             layer.name: LayerCost(
                 compute_time(profile, layer, widths[layer.name], global_batch_size),
-                sync_time(profile.comm, layer, widths[layer.name]),
+                profile.comm.allreduce_time(widths[layer.name], synced[layer.name]),
                 transfer[layer.name],
             )
             for layer in graph.layers

@@ -62,12 +62,25 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Tied:
+    """A parameter several layers use (an embedding tied to the output head): `param_bytes`, counted
+    in its first user's `Layer.param_bytes`, and its `users` in execution order. Its gradient is
+    all-reduced among the ranks of its widest user, where it lives."""
+
+    param: str
+    param_bytes: int
+    users: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class LayerGraph:
-    """Layers in execution (topological) order, with the graph's inputs and outputs."""
+    """Layers in execution (topological) order, with the graph's inputs and outputs, and the
+    parameters shared by several layers (`tied`)."""
 
     inputs: tuple[GraphInput, ...]
     layers: tuple[Layer, ...]
     outputs: tuple[str, ...]
+    tied: tuple[Tied, ...] = ()
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +100,11 @@ class LayerGraph:
         missing = [name for name in self.outputs if name not in seen]
         if missing:
             raise ValueError(f"graph outputs {missing} are neither layers nor inputs")
+        for tied in self.tied:
+            if len(tied.users) < 2 or any(user not in index for user in tied.users):
+                raise ValueError(
+                    f"tied parameter {tied.param!r}: users {tied.users} are not two or more layers"
+                )
         object.__setattr__(self, "_index", index)
 
     def __len__(self) -> int:
@@ -119,11 +137,14 @@ class LayerGraph:
         return hashlib.sha256(payload).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "inputs": [asdict(i) for i in self.inputs],
             "layers": [_layer_dict(layer) for layer in self.layers],
             "outputs": list(self.outputs),
         }
+        if self.tied:  # graphs without shared parameters keep their files and fingerprints
+            data["tied"] = [{**asdict(t), "users": list(t.users)} for t in self.tied]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerGraph:
@@ -131,6 +152,7 @@ class LayerGraph:
             inputs=tuple(GraphInput(**i) for i in data["inputs"]),
             layers=tuple(Layer(**{**layer, "inputs": tuple(layer["inputs"])}) for layer in data["layers"]),
             outputs=tuple(data["outputs"]),
+            tied=tuple(Tied(**{**t, "users": tuple(t["users"])}) for t in data.get("tied", ())),
         )
 
 
