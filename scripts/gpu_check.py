@@ -128,11 +128,13 @@ def steps(sizes: Sizes, out: Path, scratch: Path, device: str) -> list[Step]:
         ),
     ]
     for name, (path, init_args, inputs, batch) in models.items():
-        config = scratch / f"{name}.yaml"
-        config.write_text(json.dumps(init_args))
         profile_file = out / f"{name}-profile.json"
         cluster = tuple(n for n in sizes.cluster if n <= batch)
-        options: dict[str, object] = {"--config": config} if init_args else {}
+        options: dict[str, object] = {}
+        if init_args:
+            config = scratch / f"{name}.yaml"
+            config.write_text(json.dumps(init_args))
+            options["--config"] = config
         options |= {
             "--global-batch-size": batch,
             "--devices": max(cluster),

@@ -158,7 +158,9 @@ def _split_batch_norm(rank: int, height: int) -> tuple[float, float, float, floa
     start = sum(rows[:rank])
     local = x.detach()[:, :, start : start + rows[rank]].requires_grad_()
     mine = (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
-    out = split_batch_norm(local, *mine, weight, bias, training=True, momentum=0.1, eps=1e-5)
+    out = split_batch_norm(
+        local, *mine, weight, bias, training=True, momentum=0.1, eps=1e-5, dim=2, size=height
+    )
     (out * weighting[:, :, start : start + rows[rank]]).sum().backward()
     params = torch.cat([weight.grad, bias.grad])  # type: ignore[list-item]
     dist.all_reduce(params)

@@ -64,11 +64,16 @@ def row_parts(size: int, parts: int) -> tuple[int, ...]:
     return balanced(size, parts, parts)
 
 
+def part_rows(size: int, parts: int, index: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` part `index` holds of a dimension of `size` rows."""
+    counts = row_parts(size, parts)
+    start = offsets(counts)[index]
+    return start, start + counts[index]
+
+
 def slab(window: Window, size: int, parts: int, index: int) -> Slab:
     """The input slab part `index` needs to compute the output rows it holds."""
-    out_counts = row_parts(window.output_size(size), parts)
-    start = offsets(out_counts)[index]
-    stop = start + out_counts[index]
+    start, stop = part_rows(window.output_size(size), parts, index)
     if stop == start:
         return Slab(0, 0, 0, 0)
     first, end = window.reads(start, stop)

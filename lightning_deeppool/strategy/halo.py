@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.planner.layout import Transfer, offsets
-from lightning_deeppool.planner.spatial import Window, halo_moves, row_parts, slab
+from lightning_deeppool.planner.spatial import Window, halo_moves, part_rows, slab
+from lightning_deeppool.strategy.redistribute import post_and_wait
 
 
 def gather_slab(
@@ -46,90 +46,76 @@ class _GatherSlab(torch.autograd.Function):
         fill: float,
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        ctx.geometry = (dim, size, window, ranks, index, group)
         moves = halo_moves(window, size, len(ranks))
-        start = offsets(row_parts(size, len(ranks)))[index]
+        start, stop = part_rows(size, len(ranks), index)
         need = slab(window, size, len(ranks), index)
-        received = _exchange(local, moves, index, start, ranks, group, dim, backward=False)
-        pieces = [_rows(local, dim, need.before, fill)]
-        for move in sorted((m for m in moves if m.dst == index), key=lambda m: m.start):
-            if move.start < start:
-                pieces.append(received[move.src])
-        own_lo, own_hi = max(need.start, start), min(need.stop, start + local.shape[dim])
-        if own_hi > own_lo:
-            pieces.append(local.narrow(dim, own_lo - start, own_hi - own_lo))
-        for move in sorted((m for m in moves if m.dst == index), key=lambda m: m.start):
-            if move.start > start:
-                pieces.append(received[move.src])
-        pieces.append(_rows(local, dim, need.after, fill))
-        return torch.cat(pieces, dim)
+        ctx.geometry = (dim, moves, start, stop, need, ranks, index, group)
+        incoming = sorted((m for m in moves if m.dst == index), key=lambda m: m.start)
+        outgoing = {m.dst: local.narrow(dim, m.start - start, m.samples) for m in moves if m.src == index}
+        received = _exchange(outgoing, {m.src: m.samples for m in incoming}, local, dim, ranks, group)
+        own_lo, own_hi = max(need.start, start), min(need.stop, stop)
+        own = [local.narrow(dim, own_lo - start, own_hi - own_lo)] if own_hi > own_lo else []
+        return torch.cat(
+            [
+                _rows(local, dim, need.before, fill),
+                *(received[m.src] for m in incoming if m.start < start),
+                *own,
+                *(received[m.src] for m in incoming if m.start > start),
+                _rows(local, dim, need.after, fill),
+            ],
+            dim,
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        dim, size, window, ranks, index, group = ctx.geometry
-        moves = halo_moves(window, size, len(ranks))
-        counts = row_parts(size, len(ranks))
-        start = offsets(counts)[index]
-        need = slab(window, size, len(ranks), index)
-        grad_local = grad.new_zeros((*grad.shape[:dim], counts[index], *grad.shape[dim + 1 :]))
+        dim, moves, start, stop, need, ranks, index, group = ctx.geometry
+        grad_local = grad.new_zeros(_shape(grad, dim, stop - start))
         # The slab's rows, by sample row: each received row's gradient goes back to its sender.
         grad_rows = grad.narrow(dim, need.before, need.stop - need.start) if need.rows else grad
         returned = {
-            move.src: grad_rows.narrow(dim, move.start - need.start, move.samples).contiguous()
-            for move in moves
-            if move.dst == index
+            m.src: grad_rows.narrow(dim, m.start - need.start, m.samples) for m in moves if m.dst == index
         }
-        own_lo, own_hi = max(need.start, start), min(need.stop, start + counts[index])
+        own_lo, own_hi = max(need.start, start), min(need.stop, stop)
         if own_hi > own_lo:
             grad_local.narrow(dim, own_lo - start, own_hi - own_lo).add_(
                 grad_rows.narrow(dim, own_lo - need.start, own_hi - own_lo)
             )
-        received = _exchange(
-            grad_local, moves, index, start, ranks, group, dim, backward=True, sending=returned
-        )
-        for move in moves:
-            if move.src == index:
-                grad_local.narrow(dim, move.start - start, move.samples).add_(received[move.dst])
+        sent = [m for m in moves if m.src == index]
+        received = _exchange(returned, {m.dst: m.samples for m in sent}, grad_local, dim, ranks, group)
+        for move in sent:
+            grad_local.narrow(dim, move.start - start, move.samples).add_(received[move.dst])
         return grad_local, None, None, None, None, None, None, None
 
 
 def _exchange(
-    local: torch.Tensor,
-    moves: list[Transfer],
-    index: int,
-    start: int,
+    outgoing: dict[int, torch.Tensor],
+    incoming: dict[int, int],
+    like: torch.Tensor,
+    dim: int,
     ranks: tuple[int, ...],
     group: dist.ProcessGroup | None,
-    dim: int,
-    *,
-    backward: bool,
-    sending: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Post every message of this part at once, sorted by peer, and wait. Forward: send the rows
-    peers need, receive the rows this part needs (by sender). Backward: the reverse, the gradients
-    of received rows in `sending` (by their sender) going back; returns received ones by receiver."""
-    ops, received = [], {}
-    for move in moves:
-        if index not in (move.src, move.dst):
-            continue
-        peer = move.dst if move.src == index else move.src
-        sends = (move.src == index) != backward
-        if sends:
-            if backward:
-                assert sending is not None
-                piece = sending[peer]
-            else:
-                piece = local.narrow(dim, move.start - start, move.samples).contiguous()
-            ops.append((peer, dist.P2POp(dist.isend, piece, ranks[peer], group)))
-        else:
-            buffer = local.new_empty((*local.shape[:dim], move.samples, *local.shape[dim + 1 :]))
-            received[peer] = buffer
-            ops.append((peer, dist.P2POp(dist.irecv, buffer, ranks[peer], group)))
-    if ops:
-        for work in dist.batch_isend_irecv([op for _, op in sorted(ops, key=lambda pair: pair[0])]):
-            work.wait()
+    """Send each `outgoing` tensor to its part and receive `incoming[part]` rows (shaped like `like`
+    elsewhere) from each part, all posted at once in part order; the received tensors by part."""
+    received = {part: like.new_empty(_shape(like, dim, rows)) for part, rows in incoming.items()}
+    ops = sorted(
+        [
+            *(
+                (part, dist.P2POp(dist.isend, t.contiguous(), ranks[part], group))
+                for part, t in outgoing.items()
+            ),
+            *((part, dist.P2POp(dist.irecv, t, ranks[part], group)) for part, t in received.items()),
+        ],
+        key=lambda pair: pair[0],
+    )
+    post_and_wait([op for _, op in ops])
     return received
 
 
 def _rows(like: torch.Tensor, dim: int, rows: int, fill: float) -> torch.Tensor:
-    return like.new_full((*like.shape[:dim], rows, *like.shape[dim + 1 :]), fill)
+    return like.new_full(_shape(like, dim, rows), fill)
+
+
+def _shape(like: torch.Tensor, dim: int, rows: int) -> tuple[int, ...]:
+    """`like`'s shape with `rows` along `dim`."""
+    return (*like.shape[:dim], rows, *like.shape[dim + 1 :])

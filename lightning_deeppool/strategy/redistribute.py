@@ -45,9 +45,16 @@ def redistribute(
         elif move.dst == rank and out is not None:
             view = out[move.start - dst_start : move.start - dst_start + move.samples]
             ops.append(dist.P2POp(dist.irecv, view, move.src, group))
+    post_and_wait(ops, waiting)
+    return out
+
+
+def post_and_wait(
+    ops: list[dist.P2POp], waiting: Callable[[], AbstractContextManager[None]] = nullcontext
+) -> None:
+    """Post point-to-point messages at once and wait for all of them inside `waiting()`."""
     if ops:
         works = dist.batch_isend_irecv(ops)
         with waiting():
             for work in works:
                 work.wait()
-    return out

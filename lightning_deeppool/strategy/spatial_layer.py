@@ -19,7 +19,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.capture.graph import BATCH_SIZE, evaluate, unpack
-from lightning_deeppool.planner.spatial import Window, row_parts
+from lightning_deeppool.planner.spatial import Window, part_rows
 from lightning_deeppool.strategy.halo import gather_slab
 from lightning_deeppool.strategy.spatial_norm import split_batch_norm
 
@@ -53,9 +53,7 @@ class SpatialPart:
 
     def rows(self, size: int) -> tuple[int, int]:
         """The rows ``[start, stop)`` of a dimension of `size` rows this part holds."""
-        counts = row_parts(size, len(self.ranks))
-        start = sum(counts[: self.index])
-        return start, start + counts[self.index]
+        return part_rows(size, len(self.ranks), self.index)
 
     def slab(self, value: torch.Tensor, size: int, window: Window, fill: float = 0.0) -> torch.Tensor:
         """The input slab `window` needs for this part's output rows (`halo.gather_slab`)."""
@@ -154,6 +152,8 @@ def _batch_norm(node: fx.Node, env: Mapping[str, Any], part: SpatialPart, size: 
         training=a["training"],
         momentum=a["momentum"],
         eps=a["eps"],
+        dim=part.dim,
+        size=size,
         group=part.group,
     )
     return out, size

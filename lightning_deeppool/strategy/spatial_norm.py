@@ -3,6 +3,8 @@ normalizes with the statistics one device would compute over the whole samples."
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce
@@ -19,19 +21,20 @@ def split_batch_norm(
     training: bool,
     momentum: float,
     eps: float,
+    dim: int,
+    size: int,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """`F.batch_norm` for `local`, this part's rows of samples split over the parts of `group`
-    (channels at dimension 1). In training, mean and variance come from every part (two
-    differentiable all-reduces) and the running statistics are updated with them as one device
-    would; in evaluation the running statistics are used as they are."""
+    """`F.batch_norm` for `local`, this part's rows of samples whose dimension `dim` (of `size` rows
+    in all) is split over the parts of `group` (channels at dimension 1). In training, mean and
+    variance come from every part (two differentiable all-reduces) and the running statistics are
+    updated with them as one device would; in evaluation the running statistics are used as they are."""
     if not training:
         return F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps)
     dims = [0, *range(2, local.dim())]
     shape = [1, -1, *([1] * (local.dim() - 2))]
-    count = torch.tensor([local.numel() // max(local.shape[1], 1)], dtype=torch.float64, device=local.device)
-    dist.all_reduce(count, group=group)
-    total = float(count.item())
+    # Values per channel over every part: known from the shapes, so no collective counts them.
+    total = float(size * math.prod(n for i, n in enumerate(local.shape) if i not in (1, dim)))
     mean = all_reduce(local.sum(dims), group=group) / total
     centered = local - mean.view(shape)
     var = all_reduce(centered.square().sum(dims), group=group) / total
