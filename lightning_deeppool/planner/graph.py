@@ -33,6 +33,9 @@ class Layer:
     `inputs` names the layers or graph inputs whose values it reads; `sample_bytes` is the size of
     its output per sample; `params`/`param_bytes` count the parameters it owns (a parameter shared
     by several layers is counted once, at its first user); `per_rank` layers run at full width only.
+    `height` is the rows of its input's split dimension when it can run on samples split by height
+    (convolutions, pooling, BatchNorm, pointwise operations), 0 when it cannot; `halo_bytes` is what a
+    part between two others reads from them per sample, over all its windows.
     """
 
     name: str
@@ -43,6 +46,8 @@ class Layer:
     params: int = 0
     param_bytes: int = 0
     per_rank: bool = False
+    height: int = 0
+    halo_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.op not in ("call_module", "call_function", "call_method"):
@@ -51,6 +56,8 @@ class Layer:
             ("sample_bytes", self.sample_bytes),
             ("params", self.params),
             ("param_bytes", self.param_bytes),
+            ("height", self.height),
+            ("halo_bytes", self.halo_bytes),
         ):
             if value < 0:
                 raise ValueError(f"layer {self.name!r}: {label} must be >= 0, got {value}")
@@ -158,6 +165,7 @@ class LayerGraph:
 
 def _layer_dict(layer: Layer) -> dict[str, Any]:
     data = {**asdict(layer), "inputs": list(layer.inputs)}
-    if not layer.per_rank:
-        del data["per_rank"]  # the common case stays out of plan and profile files
+    for key in ("per_rank", "height", "halo_bytes"):
+        if not data[key]:
+            del data[key]  # the common case stays out of plan and profile files, and fingerprints
     return data

@@ -3,10 +3,15 @@
 A layout is a list of per-rank sample counts over the whole world; rank r holds the contiguous
 global samples starting at the sum of the counts before it. A layer of width w holds the global
 batch split as evenly as possible over ranks 0..w-1 (earlier ranks take the remainder).
+
+With spatial splits (`Placement`, `Layout`), a layer of width w and spatial s holds the batch in w / s
+sample groups, each group's samples split by height over its s ranks; `pieces` is what moves between
+two such layouts, rows included.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -58,3 +63,113 @@ def busiest_rank_samples(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
         sent[move.src] += move.samples
         received[move.dst] += move.samples
     return max((max(s, r) for s, r in zip(sent, received)), default=0)
+
+
+class Placement(NamedTuple):
+    """Where a layer runs: on ranks 0..width-1, as ``width // spatial`` sample groups of `spatial`
+    consecutive ranks, each group's samples split by height in `spatial` parts (1: not split)."""
+
+    width: int
+    spatial: int = 1
+
+    @property
+    def groups(self) -> int:
+        return self.width // self.spatial
+
+    def __str__(self) -> str:
+        return str(self.width) if self.spatial == 1 else f"{self.width}s{self.spatial}"
+
+    @classmethod
+    def parse(cls, text: str) -> Placement:
+        """Inverse of `str`: ``"4"`` or ``"4s2"``."""
+        width, _, spatial = text.partition("s")
+        return cls(int(width), int(spatial or 1))
+
+
+class Block(NamedTuple):
+    """The part of a batch value one rank holds: samples ``[start, start + samples)`` and, of each,
+    rows ``[row_start, row_start + rows)`` of the split dimension."""
+
+    start: int
+    samples: int
+    row_start: int
+    rows: int
+
+    def overlap(self, other: Block) -> Block | None:
+        lo, hi = max(self.start, other.start), min(self.start + self.samples, other.start + other.samples)
+        row_lo = max(self.row_start, other.row_start)
+        row_hi = min(self.row_start + self.rows, other.row_start + other.rows)
+        return Block(lo, hi - lo, row_lo, row_hi - row_lo) if hi > lo and row_hi > row_lo else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which samples, and which rows of each, every rank of the world holds: sample group g (ranks
+    ``g * spatial`` to ``g * spatial + spatial - 1``) holds `counts[g]` consecutive samples, split by
+    rows in `spatial` parts (`spatial.row_parts`). Ranks past the groups hold nothing."""
+
+    counts: tuple[int, ...]
+    spatial: int
+    world_size: int
+
+    @classmethod
+    def of(cls, placement: Placement, total: int, world_size: int) -> Layout:
+        """The balanced layout of `total` samples under `placement`."""
+        if placement.width % placement.spatial or not 1 <= placement.width <= world_size:
+            raise ValueError(f"placement {placement} does not fit a world of {world_size} ranks")
+        return cls(balanced(total, placement.groups, placement.groups), placement.spatial, world_size)
+
+    def samples(self, rank: int) -> int:
+        """Samples this rank holds (every part of a group holds all of the group's samples)."""
+        group = rank // self.spatial
+        return self.counts[group] if group < len(self.counts) else 0
+
+    def part(self, rank: int) -> tuple[tuple[int, ...], int]:
+        """The ranks of this rank's sample group, in part order, and its index among them."""
+        first = rank - rank % self.spatial
+        return tuple(range(first, first + self.spatial)), rank % self.spatial
+
+    def block(self, rank: int, size: int) -> Block:
+        """What `rank` holds of a value whose split dimension has `size` rows."""
+        group = rank // self.spatial
+        if group >= len(self.counts) or not self.counts[group]:
+            return Block(0, 0, 0, 0)
+        base, extra = divmod(size, self.spatial)
+        index = rank % self.spatial
+        row_start = index * base + min(index, extra)
+        return Block(sum(self.counts[:group]), self.counts[group], row_start, base + (index < extra))
+
+
+class Piece(NamedTuple):
+    """A `Block` of a value that moves from rank `src` to rank `dst`."""
+
+    src: int
+    dst: int
+    block: Block
+
+
+def pieces(src: Layout, dst: Layout, size: int) -> list[Piece]:
+    """What moves going from layout `src` to `dst` for a value of `size` rows, sorted by (src, dst);
+    a rank keeps what it holds under both."""
+    if sum(src.counts) != sum(dst.counts) or src.world_size != dst.world_size:
+        raise ValueError(f"layouts {src} and {dst} do not describe the same batch")
+    moves = []
+    for s in range(src.world_size):
+        held = src.block(s, size)
+        for d in range(dst.world_size):
+            common = held.overlap(dst.block(d, size)) if s != d else None
+            if common is not None:
+                moves.append(Piece(s, d, common))
+    return moves
+
+
+def busiest_rank_share(src: Layout, dst: Layout, size: int) -> float:
+    """Most samples' worth (rows counted as fractions of a sample) any one rank sends or receives
+    between two layouts; links are full duplex."""
+    sent = [0.0] * src.world_size
+    received = [0.0] * src.world_size
+    for piece in pieces(src, dst, size):
+        share = piece.block.samples * piece.block.rows / size
+        sent[piece.src] += share
+        received[piece.dst] += share
+    return max((max(s, r) for s, r in zip(sent, received)), default=0.0)
