@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from jsonargparse import ArgumentParser
 
 from lightning_deeppool.capture import CapturedGraph, CaptureError, capture_graph
 from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.profile import (
     DEFAULT_BANDWIDTH_BYTES_PER_S,
@@ -320,13 +322,18 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _parse_pins(pins: Sequence[str]) -> dict[str, int]:
-    parsed = {}
+def _parse_pins(pins: Sequence[str]) -> dict[str, int | Placement]:
+    """``NAME=WIDTH`` (a width) or ``NAME=WIDTHsSPATIAL`` (a `Placement`: ``features=4s2`` runs on 4
+    devices, 2 sample groups, each sample split by height in 2 parts)."""
+    parsed: dict[str, int | Placement] = {}
     for pin in pins:
-        name, sep, width = pin.rpartition("=")
-        if not sep or not width.isdigit():
-            raise UsageError(f"--pin {pin!r} must look like name=width, e.g. classifier=1")
-        parsed[name] = int(width)
+        name, sep, value = pin.rpartition("=")
+        if not sep or not re.fullmatch(r"\d+(s\d+)?", value):
+            raise UsageError(
+                f"--pin {pin!r} must look like name=width or name=WIDTHsSPATIAL, e.g. classifier=1 or "
+                "features=4s2"
+            )
+        parsed[name] = int(value) if value.isdigit() else Placement.parse(value)
     return parsed
 
 
@@ -343,16 +350,21 @@ def _pyplot() -> Any:
 
 
 def _plan_chart(plan: Plan, path: str) -> None:
-    """Two panels per layer: its width, and its compute/sync/transfer milliseconds stacked."""
+    """Two panels per layer: its width (hatched and labelled ``s2`` where split by height), and its
+    compute/sync/transfer milliseconds stacked."""
     plt = _pyplot()
     names = [layer.name for layer in plan.layers]
     positions = range(len(names))
     fig, (top, bottom) = plt.subplots(
         2, 1, sharex=True, figsize=(max(6.0, 0.45 * len(names) + 2), 5.5), height_ratios=(1, 1.4)
     )
-    top.bar(positions, [layer.width for layer in plan.layers], color="tab:blue")
+    bars = top.bar(positions, [layer.width for layer in plan.layers], color="tab:blue")
+    for bar, layer in zip(bars, plan.layers, strict=True):
+        if layer.spatial > 1:  # split by height: hatched, with the parts per sample on top
+            bar.set_hatch("//")
+            top.annotate(f"s{layer.spatial}", (bar.get_x() + bar.get_width() / 2, layer.width), ha="center")
     top.set_ylabel("width (devices)")
-    top.set_ylim(0, plan.world_size + 0.5)
+    top.set_ylim(0, plan.world_size + (0.9 if any(layer.spatial > 1 for layer in plan.layers) else 0.5))
     top.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     top.set_title(
         f"{plan.world_size} devices, global batch {plan.global_batch_size}: "
@@ -420,7 +432,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
     _search_arguments(plan)
     plan.add_argument(
-        "--pin", action="append", default=[], metavar="NAME=WIDTH", help="fix a module (prefix) to a width"
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME=WIDTH",
+        help="fix a module (prefix) to a width, or to a width split by height: NAME=4s2 (4 devices, each "
+        "sample in 2 parts)",
     )
     plan.add_argument("--out", default="plan.json", help="plan file to write (default: plan.json)")
     plan.set_defaults(run=plan_command, subparser=plan)
@@ -433,7 +450,10 @@ def _parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser("simulate", help="project throughput of DDP, burst and background fill")
     _model_arguments(simulate, required=False)
     simulate.add_argument(
-        "--devices", required=True, help="comma-separated device counts, e.g. 8,16,32,64 (each <= the batch)"
+        "--devices",
+        required=True,
+        help="comma-separated device counts, e.g. 8,16,32,64 (more than the batch only for models with "
+        "layers that can be split by height)",
     )
     _search_arguments(simulate)
     simulate.add_argument(

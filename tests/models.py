@@ -1,7 +1,9 @@
 """Small LightningModules and run helpers shared by the strategy's end-to-end tests.
 
 Every model is a classifier of 3x8x8 images into 4 classes with no dropout and no batch statistics,
-so training under deeppool must match single-device training at the same global batch. This module
+so training under deeppool must match single-device training at the same global batch; the spatial
+model classifies taller images (`TALL`) with BatchNorm, which matches when its layer sees one sample
+group. This module
 never imports lightning_deeppool: checkpoints are loaded through it in a plain process.
 """
 
@@ -123,11 +125,47 @@ class ConcatNet(Classifier):
         return self.head(torch.relu(z).flatten(1))
 
 
+TALL = (22, 6)  # height and width of the spatial model's images: 22 rows split in 3 or 4 is uneven
+
+
+class SpatialBody(nn.Module):
+    """Layers (default granularity): stem, norm (BatchNorm, ReLU), down (grouped stride-2 conv, max
+    pooling), block (residual block, channel concatenation), mix (1x1 conv, flatten), head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.norm = nn.BatchNorm2d(6)
+        self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=2)
+        self.pool = nn.MaxPool2d(2)
+        self.block = nn.Conv2d(6, 6, 3, padding=1)
+        self.mix = nn.Conv2d(12, 4, 1)
+        self.head = nn.Linear(4 * (TALL[0] // 4) * (TALL[1] // 4), CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm(self.stem(x)))
+        x = self.pool(torch.relu(self.down(x)))
+        x = self.mix(torch.cat([torch.relu(self.block(x) + x), x], 1))
+        return self.head(x.flatten(1))
+
+
+class SpatialNet(Classifier):
+    """`SpatialBody` as a classifier of `TALL` images."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.body = SpatialBody()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 MODELS: dict[str, type[Classifier]] = {
     "mlp": MLP,
     "convnet": ConvNet,
     "resnet": ResNet,
     "concat": ConcatNet,
+    "spatial": SpatialNet,
 }
 
 
@@ -137,10 +175,10 @@ def make_model(name: str, seed: int = 0, **kwargs: Any) -> Classifier:
     return MODELS[name](**kwargs)
 
 
-def images(n: int, seed: int = 0) -> TensorDataset:
-    """`n` random 3x8x8 images with labels in 0..CLASSES-1, the same for a given seed."""
+def images(n: int, seed: int = 0, size: tuple[int, int] = (8, 8)) -> TensorDataset:
+    """`n` random 3-channel images of `size` with labels in 0..CLASSES-1, the same for a given seed."""
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    return TensorDataset(torch.randn(n, 3, *size, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
 
 
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 
 # A slow link, so that transfers and syncs compete with compute in millisecond-sized examples.
@@ -29,6 +30,33 @@ def layer(
         params=params,
         param_bytes=4 * params,
     )
+
+
+def conv(
+    name: str, inputs: Sequence[str], *, rows: int = 512, channels_in: int = 16, channels: int = 16
+) -> Layer:
+    """A 3x3 convolution on ``rows x rows`` float32 images: splittable by height, a two-row halo."""
+    return Layer(
+        name=name,
+        op="call_module",
+        target=name.replace("_", "."),
+        inputs=tuple(inputs),
+        sample_bytes=4 * channels * rows * rows,
+        params=9 * channels_in * channels,
+        param_bytes=36 * channels_in * channels,
+        height=rows,
+        halo_bytes=2 * 4 * channels_in * rows,
+    )
+
+
+def conv_net(n: int = 3, *, rows: int = 512) -> LayerGraph:
+    """``x`` (3-channel ``rows x rows`` images) -> n convolutions -> a linear ``head`` (not splittable)."""
+    convs = [
+        conv(f"conv{i}", ["x" if i == 0 else f"conv{i - 1}"], rows=rows, channels_in=3 if i == 0 else 16)
+        for i in range(n)
+    ]
+    head = layer("head", [convs[-1].name], sample_bytes=40, params=1000)
+    return graph_of([*convs, head], input_bytes=4 * 3 * rows * rows)
 
 
 def graph_of(
@@ -162,3 +190,21 @@ def brute_force(
         total += table[src, combos[:, graph.position(consumer)]]
     best = int(np.argmin(total))
     return float(total[best]), {item.name: int(combos[best, k]) for k, item in enumerate(graph.layers)}
+
+
+def brute_force_placements(
+    graph: LayerGraph,
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    options: dict[str, list[Placement]],
+) -> float:
+    """Least predicted step time (with the optimizer update) over every assignment of the given
+    placements, each costed by `cost.evaluate`."""
+    sizes = dict(world_size=world_size, global_batch_size=global_batch_size)
+    names = [item.name for item in graph.layers]
+    return min(
+        cost.evaluate(graph, profile, dict(zip(names, combo)), **sizes).total_s + profile.optimizer_s
+        for combo in itertools.product(*(options[name] for name in names))
+    )

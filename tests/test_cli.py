@@ -188,3 +188,14 @@ def test_simulate_needs_the_graph_that_profile_out_writes(tmp_path, capsys):
     assert usage_error(capsys, argv).endswith(
         "it has no graph; write profiles with `deeppool plan ... --profile-out FILE`"
     )
+
+
+def test_a_pin_may_split_by_height_as_widthsspatial_and_is_checked_against_the_layer(tiny, capsys):
+    common = ["--input-shape", "8", "--devices", "2", "--global-batch-size", "8", *FAST]
+    assert usage_error(capsys, ["plan", tiny, *common, "--pin", "head=2s2"]).endswith(
+        "pin 'head': layer 'head' cannot be split by height (spatial 2): only convolutions, pooling, "
+        "BatchNorm and pointwise layers can; give it spatial 1"
+    )
+    assert usage_error(capsys, ["plan", tiny, *common, "--pin", "head=2x2"]).endswith(
+        "--pin 'head=2x2' must look like name=width or name=WIDTHsSPATIAL, e.g. classifier=1 or features=4s2"
+    )

@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.graph import LayerGraph, Tied
-from lightning_deeppool.planner.layout import balanced, busiest_rank_samples
+from lightning_deeppool.planner.graph import Layer, LayerGraph, Tied
+from lightning_deeppool.planner.layout import (
+    Layout,
+    Placement,
+    balanced,
+    busiest_rank_samples,
+    busiest_rank_share,
+)
 from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
@@ -183,3 +189,178 @@ def test_a_profile_of_another_graph_is_rejected():
     profile = linear_profile(chain(2), {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=10)
     with pytest.raises(ValueError, match=r"the profile was made for graph .* profile this model again"):
         cost.check_profile(chain(3), profile)
+
+
+# ---------------------------------------------------------------------------- spatial splits
+def splittable(height: int = 10, halo_bytes: int = 0) -> Layer:
+    """A layer reading ``x`` (4000 bytes per sample) that can be split by height."""
+    return dataclasses.replace(layer("c", ["x"]), height=height, halo_bytes=halo_bytes)
+
+
+def test_a_part_computes_its_groups_batch_scaled_to_its_share_of_the_rows():
+    graph = graph_of([splittable(height=10)], input_bytes=4000)
+    profile = linear_profile(graph, {"c": (1e-3, 1e-4)}, max_batch=10)
+    # 2 groups of 5 samples, each sample's 10 rows in 2 parts of 5: 2.5 samples' worth.
+    assert cost.compute_time(profile, graph.layers[0], Placement(4, 2), 10) == pytest.approx(1e-3 + 2.5e-4)
+
+
+def test_an_uneven_split_costs_the_larger_part():
+    graph = graph_of([splittable(height=5)], input_bytes=4000)
+    profile = linear_profile(graph, {"c": (1e-3, 1e-4)}, max_batch=10)
+    # 1 group of 10 samples, 5 rows in parts of 3 and 2: 10 * 3 / 5 = 6 samples' worth.
+    assert cost.compute_time(profile, graph.layers[0], Placement(2, 2), 10) == pytest.approx(1e-3 + 6e-4)
+
+
+def test_the_halo_a_part_reads_adds_its_share_of_a_sample():
+    graph = graph_of([splittable(height=10, halo_bytes=800)], input_bytes=4000)
+    profile = linear_profile(graph, {"c": (1e-3, 1e-4)}, max_batch=10)
+    assert cost.halo_share(graph, graph.layers[0]) == pytest.approx(0.2)
+    compute = cost.compute_time(profile, graph.layers[0], Placement(4, 2), 10, halo=0.2)
+    assert compute == pytest.approx(1e-3 + 5 * (0.5 + 0.2) * 1e-4)
+
+
+def test_below_the_smallest_profiled_batch_time_follows_the_two_smallest_and_keeps_fixed_costs():
+    measured = LayerProfile("c", (2, 4, 8), (3e-3, 5e-3, 6e-3))
+    # The line through (2, 3 ms) and (4, 5 ms): 1 ms + 1 ms per sample.
+    assert cost.fractional_time(measured, 0.5) == pytest.approx(1.5e-3)
+    assert cost.fractional_time(measured, 3.0) == pytest.approx(4e-3)  # interpolated inside the range
+    steep = LayerProfile("c", (2, 4), (1e-3, 9e-3))  # the line crosses zero at 1.75 samples
+    assert cost.fractional_time(steep, 1.0) == 0.0
+
+
+def test_a_single_profiled_batch_scales_in_proportion_below_it():
+    assert cost.fractional_time(LayerProfile("c", (1,), (4e-3,)), 0.25) == pytest.approx(1e-3)
+
+
+def test_a_split_layers_halo_exchange_costs_its_halo_per_group_sample_both_ways():
+    big = splittable(height=10, halo_bytes=800)
+    assert cost.halo_time(SLOW_LINK, big, Placement(4), 10) == 0.0
+    expected = 2 * SLOW_LINK.redistribute_time(800 * 5)  # 2 groups of 5 samples
+    assert cost.halo_time(SLOW_LINK, big, Placement(4, 2), 10) == pytest.approx(expected)
+
+
+def test_vectorized_busiest_shares_match_the_layout_reference():
+    for world_size, batch, rows in [(2, 1, 7), (4, 2, 5), (4, 3, 9), (6, 5, 4), (8, 8, 16)]:
+        options = [Placement(w, s) for w in range(1, world_size + 1) for s in range(1, w + 1) if w % s == 0]
+        matrix = cost.busiest_shares(options, rows, world_size, batch)
+        for (i, a), (j, b) in itertools.product(enumerate(options), repeat=2):
+            reference = busiest_rank_share(
+                Layout.of(a, batch, world_size), Layout.of(b, batch, world_size), rows
+            )
+            assert matrix[i, j] == pytest.approx(reference, abs=1e-12), (world_size, batch, rows, a, b)
+
+
+def test_busiest_shares_between_unsplit_placements_are_the_busiest_samples():
+    widths = [Placement(w) for w in range(1, 5)]
+    assert np.array_equal(cost.busiest_shares(widths, 7, 4, 10), cost.busiest_samples(np.arange(1, 5), 4, 10))
+
+
+def test_moving_into_a_split_costs_the_busiest_ranks_share_both_ways():
+    # One sample on rank 0 (width 2, batch 1) to two halves of it on ranks 0 and 1: rank 1 receives half.
+    expected = 2 * SLOW_LINK.redistribute_time(0.5 * 4096)
+    sizes = dict(world_size=2, global_batch_size=1)
+    assert cost.transfer_time(SLOW_LINK, 4096, 2, Placement(2, 2), **sizes, rows=512) == pytest.approx(
+        expected
+    )
+    with pytest.raises(ValueError, match=r"moving a value between 2 and 2s2 needs its rows"):
+        cost.transfer_time(SLOW_LINK, 4096, 2, Placement(2, 2), **sizes)
+
+
+def spatial_graph() -> LayerGraph:
+    """x -> conv0 -> conv1 (both 8 rows high, 1 kB halo) -> head (not splittable)."""
+    convs = [
+        dataclasses.replace(
+            layer(f"conv{i}", ["x" if i == 0 else "conv0"], params=1000), height=8, halo_bytes=1024
+        )
+        for i in range(2)
+    ]
+    return graph_of([*convs, layer("head", ["conv1"], sample_bytes=64, params=100)])
+
+
+def test_evaluate_charges_halo_exchange_and_moves_between_splits_as_transfer():
+    graph = spatial_graph()
+    profile = linear_profile(graph, dict.fromkeys(("conv0", "conv1", "head"), (1e-3, 1e-4)), max_batch=4)
+    sizes = dict(world_size=4, global_batch_size=2)
+    placements = {"conv0": Placement(4, 2), "conv1": Placement(4, 4), "head": 1}
+    step = cost.evaluate(graph, profile, placements, **sizes)
+    halo = cost.halo_time(SLOW_LINK, graph.layer("conv1"), Placement(4, 4), 2)
+    into = cost.transfer_time(SLOW_LINK, 4096, Placement(4, 2), Placement(4, 4), **sizes, rows=8)
+    assert step.layers["conv1"].transfer_s == pytest.approx(into + halo)
+    assert step.layers["conv1"].sync_s == SLOW_LINK.allreduce_time(4, 4000)  # among all 4 ranks
+    # 1 group of 2 samples, 8 rows in 4 parts, 1 kB halo of a 4 kB input: 2 * (2/8 + 1/4) samples.
+    assert step.layers["conv1"].compute_s == pytest.approx(1e-3 + 1.0 * 1e-4)
+    gather = cost.transfer_time(SLOW_LINK, 4096, Placement(4, 4), 1, **sizes, rows=8)
+    assert step.layers["head"].transfer_s == pytest.approx(
+        gather + cost.transfer_time(SLOW_LINK, 64, 1, 4, **sizes)
+    )
+
+
+def test_memory_of_a_split_layer_is_its_share_of_the_rows():
+    graph = spatial_graph()
+    profile = linear_profile(
+        graph,
+        dict.fromkeys(("conv0", "conv1", "head"), (1e-3, 1e-4)),
+        max_batch=4,
+        peak_bytes_per_sample=dict.fromkeys(("conv0", "conv1", "head"), 1000),
+    )
+    conv = dataclasses.replace(graph.layer("conv1"), halo_bytes=0)
+    # 1 group of 4 samples, each in 4 parts of 2 of its 8 rows: a quarter of 4000 bytes.
+    assert cost.layer_memory(profile, conv, Placement(4, 4), 4) == 1000 + 8000
+    assert cost.layer_memory(profile, conv, Placement(4), 4) == 1000 + 8000
+    assert cost.layer_memory(profile, conv, Placement(2), 4) == 2000 + 8000
+
+
+def test_a_batch_smaller_than_the_world_is_allowed_when_a_layer_can_be_split_by_height():
+    cost.check_sizes(4, 1, spatial_graph())
+    with pytest.raises(
+        ValueError,
+        match=r"global batch size 3 is smaller than the world size 4; no layer can be split by height",
+    ):
+        cost.check_sizes(4, 3, chain(2))
+
+
+def test_a_loss_inside_forward_needs_a_sample_on_every_rank():
+    graph = spatial_graph()
+    graph = dataclasses.replace(
+        graph, layers=(*graph.layers[:2], dataclasses.replace(graph.layers[2], per_rank=True))
+    )
+    with pytest.raises(
+        ValueError, match=r"layer 'head' reduces over each rank's own samples .* batch size 2 is smaller than"
+    ):
+        cost.check_sizes(4, 2, graph)
+
+
+def test_with_fewer_samples_than_devices_the_ddp_baseline_runs_on_as_many_devices_as_samples():
+    graph = spatial_graph()
+    profile = linear_profile(graph, dict.fromkeys(("conv0", "conv1", "head"), (1e-3, 1e-4)), max_batch=4)
+    ddp = cost.ddp_baseline(graph, profile, world_size=4, global_batch_size=2)
+    on_two = cost.evaluate(graph, profile, cost.ddp_widths(graph, 2), world_size=4, global_batch_size=2)
+    assert ddp == on_two
+    assert all(c.transfer_s == 0 for c in ddp.layers.values())
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (3, Placement(3)),
+        (Placement(4, 2), Placement(4, 2)),
+        ({"width": 4, "spatial": 2}, Placement(4, 2)),
+        ({"width": 2}, Placement(2)),
+    ],
+)
+def test_a_placement_is_a_width_a_placement_or_a_mapping(value, expected):
+    assert cost.as_placement(value, "pin 'a'") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"spatial": 2}, r"pin 'a': \{'spatial': 2\} has no 'width'"),
+        ({"width": 4, "split": 2}, r"unknown keys \['split'\]"),
+        (True, r"pin 'a': True is not a width \(an int\)"),
+        ({"width": "4"}, r"is not a width"),
+    ],
+)
+def test_anything_else_is_an_error_showing_the_expected_form(value, message):
+    with pytest.raises(ValueError, match=message):
+        cost.as_placement(value, "pin 'a'")

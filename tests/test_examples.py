@@ -40,6 +40,17 @@ def test_resnet_example_trains_on_generated_images(tmp_path):
 
 
 @pytest.mark.slow
+def test_large_images_example_trains_one_shared_image_split_by_height(tmp_path):
+    out = run_example([EXAMPLES / "large_images.py", "--size", "64", "--max-steps", "3"], tmp_path)
+    plan = Plan.load(tmp_path / "outputs" / "large_images" / "deeppool_plan.json")
+    assert plan.global_batch_size == 1 and plan.world_size == 2
+    assert "predicted step time" in out
+    assert re.fullmatch(
+        r"final train loss \d+\.\d{3}, pixel accuracy [01]\.\d{3}", out.strip().splitlines()[-1]
+    )
+
+
+@pytest.mark.slow
 def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):
     config = EXAMPLES / "cli_config.yaml"
     out = run_example([EXAMPLES / "cli.py", "fit", "--config", config, "--trainer.max_steps", "3"], tmp_path)

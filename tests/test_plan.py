@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.plan import (
     PLAN_VERSION,
     Plan,
@@ -14,7 +15,7 @@ from lightning_deeppool.planner.plan import (
     validate_plan,
 )
 
-from planner_fixtures import chain, linear_profile
+from planner_fixtures import chain, conv_net, linear_profile
 
 SIZES = dict(world_size=4, global_batch_size=8)
 
@@ -75,6 +76,7 @@ def test_json_has_the_documented_keys():
         "sync_s",
         "transfer_s",
         "params",
+        "spatial",
     }
 
 
@@ -175,3 +177,150 @@ def test_equal_width_runs_cut_only_where_the_width_changes():
     widths = {"a": 2, "b": 2, "c": 1, "d": 2}
 
     assert equal_width_runs(["a", "b", "c", "d"], widths) == [["a", "b"], ["c"], ["d"]]
+
+
+def spatial_plan(global_batch_size=2, world_size=4):
+    """Two convolutions split by height on 4 devices, a head on one."""
+    graph = conv_net(2, rows=8)
+    profile = linear_profile(graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8)
+    placements = {"conv0": Placement(4, 2), "conv1": {"width": 4, "spatial": 4}, "head": 1}
+    plan = plan_with_widths(
+        graph,
+        profile,
+        placements,
+        world_size=world_size,
+        global_batch_size=global_batch_size,
+        amplification_limit=2.0,
+    )
+    return plan, graph
+
+
+def test_a_plan_records_each_layers_placement_from_an_int_a_placement_or_a_mapping():
+    plan, _ = spatial_plan()
+    assert plan.placements() == {"conv0": Placement(4, 2), "conv1": Placement(4, 4), "head": Placement(1)}
+    assert plan.widths() == {"conv0": 4, "conv1": 4, "head": 1}
+    assert [layer.spatial for layer in plan.layers] == [2, 4, 1]
+
+
+def test_json_writes_spatial_for_every_layer_and_round_trips_a_spatial_plan():
+    plan, _ = spatial_plan()
+    data = json.loads(plan.to_json())
+    assert [layer["spatial"] for layer in data["layers"]] == [2, 4, 1]
+    assert data["version"] == PLAN_VERSION == 1
+    assert Plan.from_json(plan.to_json()) == plan
+    unsplit, _ = make_plan()
+    assert [layer["spatial"] for layer in json.loads(unsplit.to_json())["layers"]] == [1, 1, 1]
+
+
+def test_a_plan_written_before_spatial_splits_loads_with_spatial_one():
+    plan, _ = make_plan()
+    data = plan.to_dict()
+    for layer in data["layers"]:
+        del layer["spatial"]
+    loaded = Plan.from_dict(data)
+    assert loaded == plan
+    assert set(loaded.placements().values()) == {Placement(4), Placement(1), Placement(2)}
+
+
+def test_the_table_has_a_spatial_column_only_when_a_layer_is_split():
+    plan, _ = spatial_plan()
+    lines = plan.table().splitlines()
+    assert lines[0].split()[:5] == ["layer", "module", "width", "spatial", "compute"]
+    assert [line.split()[2:4] for line in lines[1:4]] == [["4", "2"], ["4", "4"], ["1", "1"]]
+    assert len({len(line) for line in lines[:4]}) == 1
+    assert "spatial" not in make_plan()[0].table()
+
+
+@pytest.mark.parametrize(
+    ("layer", "placement", "message"),
+    [
+        ("conv0", (4, 3), r"layer 'conv0': spatial 3 does not divide width 4; split each sample in a number"),
+        (
+            "head",
+            (2, 2),
+            r"layer 'head' cannot be split by height \(spatial 2\): only convolutions, .* give it spatial 1",
+        ),
+    ],
+)
+def test_validate_plan_names_a_layer_whose_spatial_split_is_not_allowed(layer, placement, message):
+    plan, graph = spatial_plan()
+    broken = replace(
+        plan,
+        layers=tuple(
+            replace(item, width=placement[0], spatial=placement[1]) if item.name == layer else item
+            for item in plan.layers
+        ),
+    )
+    with pytest.raises(ValueError, match=message):
+        validate_plan(broken, graph)
+
+
+def test_validate_plan_accepts_a_plan_with_spatial_splits():
+    plan, graph = spatial_plan()
+    validate_plan(plan, graph)
+
+
+def test_validate_plan_refuses_more_parts_than_the_layer_has_rows():
+    plan, _ = spatial_plan()
+    graph = conv_net(2, rows=3)
+    with pytest.raises(
+        ValueError, match=r"layer 'conv1': spatial 4 is more parts than its 3 rows; use at most"
+    ):
+        validate_plan(replace(plan, graph_fingerprint=graph.fingerprint), graph)
+
+
+def test_validate_plan_refuses_more_sample_groups_than_samples():
+    plan, graph = spatial_plan(global_batch_size=2)
+    broken = replace(plan, layers=(replace(plan.layers[0], spatial=1), *plan.layers[1:]))
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'conv0': width 4 at spatial 1 makes 4 sample groups but the global batch has 2 "
+        r"samples; use at most 2 groups \(width <= 2 at spatial 1\), or split each sample in more parts",
+    ):
+        validate_plan(broken, graph)
+
+
+def test_costing_a_placement_a_layer_cannot_run_at_is_an_error_naming_it():
+    graph = conv_net(2, rows=8)
+    profile = linear_profile(graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8)
+    with pytest.raises(ValueError, match=r"layer 'head' cannot be split by height \(spatial 2\)"):
+        plan_with_widths(
+            graph,
+            profile,
+            {"conv0": 4, "conv1": 4, "head": Placement(2, 2)},
+            **SIZES,
+            amplification_limit=2.0,
+        )
+
+
+def test_a_placement_mapping_with_unknown_keys_is_an_error_showing_the_expected_form():
+    graph = conv_net(2, rows=8)
+    profile = linear_profile(graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'conv0': \{'width': 4, 'parts': 2\} has unknown keys \['parts'\]; .*'spatial': 2",
+    ):
+        plan_with_widths(
+            graph,
+            profile,
+            {"conv0": {"width": 4, "parts": 2}, "conv1": 4, "head": 1},
+            **SIZES,
+            amplification_limit=2.0,
+        )
+
+
+def test_a_batch_smaller_than_the_world_plans_when_the_wide_layers_are_split_by_height():
+    graph = conv_net(2, rows=8)
+    profile = linear_profile(graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8)
+    plan = plan_with_widths(
+        graph,
+        profile,
+        {"conv0": Placement(4, 4), "conv1": Placement(2, 2), "head": 1},
+        world_size=4,
+        global_batch_size=1,
+        amplification_limit=2.0,
+    )
+    assert plan.placements()["conv0"] == Placement(4, 4)
+    # Data parallelism cannot use more devices than samples: its baseline runs on one device, where
+    # the input already is (rank 0 holds the only sample), so it pays compute alone.
+    assert plan.predicted_ddp_step_time_s == pytest.approx(3 * (1e-3 + 1e-4))

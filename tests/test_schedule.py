@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
-from lightning_deeppool.planner.layout import balanced, transfers
+from lightning_deeppool.planner.layout import Placement, balanced, transfers
 from lightning_deeppool.strategy.schedule import Action, Schedule, build_schedule, build_stages
 
 # x -> a -> b -> add(a, b) -> c ; cat(add, c) -> head: a residual join and a concatenation.
@@ -119,8 +119,8 @@ def _comms(schedule: Schedule, rank: int, counts: tuple[int, ...]) -> list[tuple
     """The communication rank `rank` takes part in, in order, as the runtime issues it."""
     world = schedule.world_size
 
-    def layout(width: int) -> tuple[int, ...]:
-        return counts if width == world else balanced(sum(counts), width, world)
+    def layout(placement: Placement) -> tuple[int, ...]:
+        return counts if placement.width == world else balanced(sum(counts), placement.width, world)
 
     ops: list[tuple] = [("collective", world, "agree")]
     for action in (*schedule.forward, *schedule.backward):

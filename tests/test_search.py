@@ -8,11 +8,22 @@ import pytest
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.graph import Tied
-from lightning_deeppool.planner.search import amplification, candidate_widths, search
+from lightning_deeppool.planner.layout import Placement
+from lightning_deeppool.planner.profile import AlphaBeta, CommProfile
+from lightning_deeppool.planner.search import (
+    amplification,
+    candidate_placements,
+    candidate_widths,
+    search,
+    spatial_parts,
+)
 
 from planner_fixtures import (
     brute_force,
+    brute_force_placements,
     chain,
+    conv,
+    conv_net,
     graph_of,
     layer,
     linear_profile,
@@ -247,13 +258,6 @@ def test_a_memory_budget_without_profiled_memory_is_an_error():
         search(graph, profile, world_size=4, global_batch_size=8, memory_budget_bytes=1e9)
 
 
-def test_a_batch_smaller_than_the_world_is_an_error():
-    graph = chain(2)
-    profile = linear_profile(graph, {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=8)
-    with pytest.raises(ValueError, match=r"global batch size 3 is smaller than the world size 4"):
-        search(graph, profile, world_size=4, global_batch_size=3)
-
-
 def test_a_beam_narrower_than_the_state_space_still_returns_a_valid_plan():
     graph, profile, world_size, batch = random_case(3, random_dag, max_layers=8, max_world=4)
     exact = fastest_plan(graph, profile, world_size, batch)
@@ -287,3 +291,166 @@ def test_a_plan_that_only_seems_to_save_a_shared_parameters_all_reduce_gives_way
     plan = search(graph, linear_profile(graph, times, max_batch=8), world_size=2, global_batch_size=8)
     assert plan.widths() == {"emb": 2, "body": 2, "head": 2}
     assert plan.predicted_step_time_s == pytest.approx(plan.predicted_ddp_step_time_s)
+
+
+# ---------------------------------------------------------------------------- spatial splits
+CONV_TIMES = {"conv0": (1e-3, 50e-3), "conv1": (1e-3, 50e-3), "conv2": (1e-3, 50e-3), "head": (1e-3, 1e-4)}
+FAST_LINK = CommProfile(link=AlphaBeta(latency_s=5e-6, seconds_per_byte=1e-11))
+
+
+def test_candidate_placements_add_spatial_splits_only_where_a_part_computes_less_than_any_width():
+    assert spatial_parts(64) == [2, 3, 4, 8, 16, 32, 64]
+    assert candidate_placements(2, 1) == [Placement(1), Placement(2, 2)]
+    # batch 2 on 4 devices: widths up to 2, then 2 groups of 2 parts, or 1 group of 3 or 4 parts.
+    assert candidate_placements(4, 2) == [
+        Placement(1),
+        Placement(2),
+        Placement(4, 2),
+        Placement(3, 3),
+        Placement(4, 4),
+    ]
+    assert candidate_placements(4, 8) == [Placement(w) for w in range(1, 5)]  # 2 samples per device at best
+
+
+def test_at_global_batch_one_the_convolutions_are_split_by_height_and_the_head_runs_on_one_device():
+    graph = conv_net()
+    profile = linear_profile(graph, CONV_TIMES, max_batch=2)
+    plan = search(graph, profile, world_size=2, global_batch_size=1)
+    assert plan.placements() == {
+        "conv0": Placement(2, 2),
+        "conv1": Placement(2, 2),
+        "conv2": Placement(2, 2),
+        "head": Placement(1),
+    }
+    assert plan.predicted_step_time_s < 0.7 * plan.predicted_ddp_step_time_s  # DDP: one device
+
+
+def test_with_a_sample_per_device_and_cheap_transfers_plain_data_parallelism_wins():
+    graph = conv_net()
+    profile = linear_profile(graph, CONV_TIMES, max_batch=2, comm=FAST_LINK)
+    plan = search(graph, profile, world_size=2, global_batch_size=2)
+    assert all(placement == Placement(2) for placement in plan.placements().values())
+    split = {**plan.placements(), **dict.fromkeys(("conv0", "conv1", "conv2"), Placement(2, 2))}
+    slower = cost.evaluate(graph, profile, split, world_size=2, global_batch_size=2).total_s
+    assert plan.predicted_step_time_s < slower
+
+
+def test_with_fewer_samples_than_devices_no_layer_has_more_sample_groups_than_samples():
+    graph = conv_net()
+    profile = linear_profile(graph, CONV_TIMES, max_batch=3, comm=FAST_LINK)
+    plan = search(graph, profile, world_size=4, global_batch_size=3, amplification_limit=INF)
+    assert all(placement.groups <= 3 for placement in plan.placements().values())
+    assert plan.width("head") <= 3
+    assert plan.placements()["conv0"].spatial > 1
+
+
+def test_a_batch_smaller_than_the_world_is_an_error_when_no_layer_can_be_split():
+    graph = chain(2)
+    profile = linear_profile(graph, {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=8)
+    with pytest.raises(ValueError, match=r"smaller than the world size 4; no layer can be split by height"):
+        search(graph, profile, world_size=4, global_batch_size=3)
+
+
+def test_a_layer_is_split_in_no_more_parts_than_it_has_rows():
+    pointwise = [dataclasses.replace(item, height=2, halo_bytes=0) for item in conv_net().layers[:3]]
+    graph = graph_of([*pointwise, conv_net().layers[3]], input_bytes=4 * 3 * 512 * 512)
+    profile = linear_profile(graph, CONV_TIMES, max_batch=1, comm=FAST_LINK)
+    plan = search(graph, profile, world_size=4, global_batch_size=1, amplification_limit=INF)
+    assert plan.placements()["conv0"] == Placement(2, 2)
+
+
+def residual_convs(rng: random.Random, rows: int):
+    """x -> conv0 -> conv1 -> add(conv1, conv0) -> head: two live values across the block."""
+    add = dataclasses.replace(
+        layer("add", ["conv1", "conv0"], sample_bytes=4 * 16 * rows * rows, module=False), height=rows
+    )
+    convs = [conv("conv0", ["x"], rows=rows, channels_in=3), conv("conv1", ["conv0"], rows=rows)]
+    return graph_of([*convs, add, layer("head", ["add"], params=rng.choice([0, 100_000]))])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_spatial_plans_are_exactly_optimal_against_enumerating_every_candidate_placement(seed):
+    rng = random.Random(seed)
+    world_size = rng.randint(2, 4)
+    batch = rng.randint(1, world_size + 1)
+    rows = rng.choice([2, 3, 16])
+    if seed % 2:
+        graph = residual_convs(rng, rows)
+    else:
+        n = rng.randint(1, 3)
+        layers = [conv(f"conv{i}", ["x" if i == 0 else f"conv{i - 1}"], rows=rows) for i in range(n)]
+        graph = graph_of([*layers, layer("head", [layers[-1].name], params=rng.choice([0, 100_000]))])
+    times = {item.name: (rng.uniform(1e-5, 1e-3), rng.uniform(1e-5, 1e-2)) for item in graph.layers}
+    profile = linear_profile(graph, times, max_batch=batch + 1)
+    options = {
+        item.name: [
+            p for p in candidate_placements(world_size, batch) if p.spatial == 1 or p.spatial <= item.height
+        ]
+        for item in graph.layers
+    }
+    plan = fastest_plan(graph, profile, world_size, batch)
+    best = brute_force_placements(
+        graph, profile, world_size=world_size, global_batch_size=batch, options=options
+    )
+    assert plan.predicted_step_time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_the_amplification_limit_holds_at_spatial_placements():
+    graph = conv_net()
+    times = {**CONV_TIMES, "conv1": (40e-3, 10e-3)}  # mostly fixed cost: splitting it only spends devices
+    profile = linear_profile(graph, times, max_batch=2, comm=FAST_LINK)
+    plan = search(graph, profile, world_size=4, global_batch_size=1, exempt_below_s=0)
+    for item in graph.layers:
+        placement = plan.placements()[item.name]
+        assert amplification(profile, item, placement, 1, halo=cost.halo_share(graph, item)) <= 2.0
+    # Four quarters of conv1 would take 42.5 ms each, over twice its 50 ms alone: two halves at most.
+    assert plan.width("conv1") <= 2
+    assert plan.placements()["conv0"] == Placement(4, 4)
+
+
+def test_a_memory_budget_can_make_a_spatial_split_necessary():
+    graph = conv_net()
+    # A slow link: splitting does not pay for itself, but halves each device's activations.
+    slow = CommProfile(link=AlphaBeta(latency_s=1e-3, seconds_per_byte=1e-8))
+    peaks = dict.fromkeys(("conv0", "conv1", "conv2"), 1 << 30) | {"head": 1 << 20}
+    profile = linear_profile(graph, CONV_TIMES, max_batch=2, comm=slow, peak_bytes_per_sample=peaks)
+    sizes = dict(world_size=2, global_batch_size=1)
+    free = search(graph, profile, **sizes)
+    assert set(free.placements().values()) == {Placement(1)}
+    budget = 2.5 * (1 << 30)  # three convolutions whole need 3 GiB
+    fitted = search(graph, profile, **sizes, memory_budget_bytes=budget)
+    assert max(cost.memory_per_rank(graph, profile, fitted.placements(), **sizes)) <= budget
+    assert any(placement.spatial == 2 for placement in fitted.placements().values())
+
+
+def test_a_pin_may_split_samples_by_height_as_a_mapping_or_a_placement():
+    graph = conv_net()
+    profile = linear_profile(graph, CONV_TIMES, max_batch=4)
+    pins = {"conv0": {"width": 4, "spatial": 2}, "conv1": Placement(4, 4), "head": 1}
+    plan = search(graph, profile, world_size=4, global_batch_size=2, pins=pins)
+    assert plan.placements()["conv0"] == Placement(4, 2)
+    assert plan.placements()["conv1"] == Placement(4, 4)
+    assert plan.placements()["head"] == Placement(1)
+
+
+@pytest.mark.parametrize(
+    ("pin", "message"),
+    [
+        ({"head": {"width": 2, "spatial": 2}}, r"pin 'head': layer 'head' cannot be split by height"),
+        (
+            {"conv0": {"width": 4, "spatial": 3}},
+            r"pin 'conv0': layer 'conv0': spatial 3 does not divide width 4",
+        ),
+        ({"conv0": {"width": 4, "parts": 2}}, r"pin 'conv0': .* unknown keys \['parts'\]"),
+        (
+            {"": 4},
+            r"pin '': layer 'conv0': width 4 at spatial 1 makes 4 sample groups but the global batch has 2",
+        ),
+        ({"conv0": {"width": 8, "spatial": 2}}, r"pin 'conv0': width 8 is outside 1..4"),
+    ],
+)
+def test_a_pin_the_layers_cannot_run_at_is_an_error_naming_pin_and_layer(pin, message):
+    graph = conv_net()
+    profile = linear_profile(graph, CONV_TIMES, max_batch=4)
+    with pytest.raises(ValueError, match=message):
+        search(graph, profile, world_size=4, global_batch_size=2, pins=pin)

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.simulate import (
     assumptions,
     idle_device_seconds,
@@ -13,7 +14,7 @@ from lightning_deeppool.planner.simulate import (
     table,
 )
 
-from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
+from planner_fixtures import SLOW_LINK, chain, conv_net, graph_of, layer, linear_profile
 
 BATCH = 32
 
@@ -125,3 +126,37 @@ def test_device_lists_are_parsed_sorted_and_checked():
         parse_devices("8,x")
     with pytest.raises(ValueError, match="positive integers, got '0,8'"):
         parse_devices("0,8")
+
+
+def test_more_devices_than_samples_are_projected_when_layers_can_be_split_by_height():
+    graph = conv_net()
+    times = {"conv0": (1e-3, 50e-3), "conv1": (1e-3, 50e-3), "conv2": (1e-3, 50e-3), "head": (1e-3, 1e-4)}
+    profile = linear_profile(graph, times, max_batch=2, comm=SLOW_LINK)
+    projections = project(graph, profile, devices=[1, 2, 4], global_batch_size=1)
+    assert [p.plan.placements()["conv0"] for p in projections] == [
+        Placement(1),
+        Placement(2, 2),
+        Placement(4, 4),
+    ]
+    assert projections[1].ddp_step_s == pytest.approx(
+        projections[0].ddp_step_s
+    )  # DDP: one sample, one device
+    assert projections[2].burst_step_s < projections[1].burst_step_s < projections[0].burst_step_s
+
+
+def test_table_and_assumptions_mention_splits_by_height_only_when_a_plan_has_them():
+    graph = conv_net()
+    times = {"conv0": (1e-3, 50e-3), "conv1": (1e-3, 50e-3), "conv2": (1e-3, 50e-3), "head": (1e-3, 1e-4)}
+    profile = linear_profile(graph, times, max_batch=2, comm=SLOW_LINK)
+    projections = project(graph, profile, devices=[1, 2, 4], global_batch_size=1)
+    assert table(projections).splitlines()[-1] == (
+        "split by height: 2 devices: 3 of 4 layers, 2 parts per sample; 4 devices: 3 of 4 layers, 4 parts "
+        "per sample"
+    )
+    assert "assumes splits by height: a part's compute is the profiled time at its share" in assumptions(
+        profile, projections
+    )
+    plain = project(*conv_then_head(), devices=[2], global_batch_size=BATCH)
+    assert "split by height" not in table(plain) and "by height" not in assumptions(
+        conv_then_head()[1], plain
+    )

@@ -29,7 +29,7 @@ from lightning_deeppool.capture.graph import (
 from lightning_deeppool.capture.layers import cut_into_layers
 from lightning_deeppool.capture.record import GuardError, trace_by_recording
 from lightning_deeppool.capture.trace import CaptureError, Trace
-from lightning_deeppool.capture.values import LeafMeta, ValueMeta
+from lightning_deeppool.capture.values import LeafMeta, ValueMeta, take_samples
 
 __all__ = [
     "CaptureError",
@@ -74,6 +74,8 @@ def _capture(
     signature = inspect.signature(type(module).forward.__get__(module))
     mapping = _distinct(call_mapping(signature, example_args, example_kwargs))
     _check_arguments(module, mapping)
+    if _samples(mapping) == 1:  # export specializes a dimension of size 1: show it two samples
+        mapping = take_samples(mapping, 2)
     try:
         with torch.enable_grad(), preserved(module):
             outputs = type(module).forward(module, **mapping)
@@ -164,6 +166,12 @@ def _check_arguments(module: nn.Module, mapping: dict[str, Any]) -> None:
             f"the tensor arguments of {type(module).__name__}.forward disagree on the number of samples "
             f"({sorted(sizes)}): deeppool treats dimension 0 of every tensor argument as the batch"
         )
+
+
+def _samples(mapping: dict[str, Any]) -> int:
+    return next(
+        leaf.shape[0] for leaf in pytree.tree_leaves(mapping) if isinstance(leaf, torch.Tensor) and leaf.dim()
+    )
 
 
 def _check_outputs(module: nn.Module, outputs: Any) -> None:

@@ -21,6 +21,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode, fetch_attr
+from lightning_deeppool.capture.spatial import split_shape
 from lightning_deeppool.capture.trace import CaptureError, Leaf, Trace, describe, where
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph, Tied
@@ -95,6 +96,7 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
         layer_params[name] = used
         per_rank = any(kinds[n.name] == "per_rank" for n in unit)
         meta[name] = _layer_meta(trace, outputs, per_rank)
+        height, halo_bytes = (0, 0) if per_rank else split_shape(trace, code[name])
         first = uses.first_user(unit)
         module = first.meta.get("deeppool_unit")
         layers.append(
@@ -107,6 +109,8 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
                 params=sum(params[p].numel() for p in fresh),
                 param_bytes=sum(params[p].numel() * params[p].element_size() for p in fresh),
                 per_rank=per_rank,
+                height=height,
+                halo_bytes=halo_bytes,
             )
         )
     output_leaves = list(output.args[0])

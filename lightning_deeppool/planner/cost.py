@@ -1,24 +1,47 @@
-"""The cost model: predicted seconds of one training step for a width assignment. Pure functions, no torch.
+"""The cost model: predicted seconds of one training step for a placement of every layer. Pure functions,
+no torch.
 
-A step costs, per layer: compute (profiled fwd+bwd time at the per-device batch ``ceil(B / w)``),
-sync (all-reduce of its gradients among its ``w`` devices) and transfer (redistributing activations
-forward and their gradients backward on every edge whose ends have different widths). Graph inputs and
-outputs live at width N. An edge's transfer is charged to the consuming layer; the return of a graph
-output to width N is charged to the layer that produces it. A parameter several layers share is
-all-reduced once, among the devices of its widest user, and charged there (`synced_bytes`); the
-search's dynamic programme, which sees one layer at a time, charges it to its first user instead.
+A layer runs at a `Placement` (a plain int is a width, unsplit): width w, as ``g = w // s`` sample groups
+of s consecutive ranks, each group's samples split by height in s parts (s = 1: not split). A step
+costs, per layer:
+
+- compute: the profiled fwd+bwd time at the per-device batch ``b = ceil(B / g)``. Split by height, a
+  part computes ``ceil(H / s)`` of the H rows plus the halo it reads, so the time is taken at the
+  effective sample count ``x = b * min(1, ceil(H / s) / H + halo share)`` (`effective_samples`):
+  interpolated between profiled batch sizes, and below the smallest extrapolated along the line
+  through the two smallest, so a fixed per-call cost does not shrink, never below 0
+  (`fractional_time`);
+- sync: all-reduce of its gradients among its w devices (ranks 0..w-1 own its parameters, however
+  the samples are split);
+- transfer: redistributing activations forward and their gradients backward on every edge whose ends
+  have different placements, sized by the samples the busiest rank sends or receives
+  (`busiest_samples`) or, where an end is split by height, its share of samples with rows counted as
+  fractions of a sample of the consumer's height (`busiest_shares`, `value_rows`); and, split by
+  height, the halo exchange: ``halo_bytes * b`` out and the halo gradients back (`halo_time`).
+
+Graph inputs and outputs live at width N (with a global batch B < N, ranks B.. hold no sample).
+Every layer needs ``g <= B`` (each group at least one sample), so with B < N only layers split by
+height can run wider than B, and layers that reduce over each rank's samples (`Layer.per_rank`)
+cannot run at all (`check_sizes`). An edge's transfer is charged to the consuming layer; the return
+of a graph output to width N is charged to the layer that produces it; a layer's halo exchange is
+charged to its transfer. A parameter several layers share is all-reduced once, among the devices of
+its widest user, and charged there (`synced_bytes`); the search's dynamic programme, which sees one
+layer at a time, charges it to its first user instead. Memory (`layer_memory`): the activation
+memory profiled at the per-device batch, scaled by the row share a part holds, plus parameters and
+gradients on each of its w ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_deeppool.planner.graph import Layer, LayerGraph
-from lightning_deeppool.planner.profile import CommProfile, Profile
+from lightning_deeppool.planner.layout import Placement
+from lightning_deeppool.planner.profile import CommProfile, LayerProfile, Profile
 
 # Forward activations plus backward gradients: every redistribution happens twice per step.
 DIRECTIONS = 2
@@ -26,7 +49,7 @@ DIRECTIONS = 2
 
 @dataclass(frozen=True)
 class LayerCost:
-    """Predicted seconds of one layer at its width."""
+    """Predicted seconds of one layer at its placement."""
 
     compute_s: float
     sync_s: float
@@ -48,16 +71,109 @@ class StepCost:
         return sum(cost.total_s for cost in self.layers.values())
 
 
-def check_sizes(world_size: int, global_batch_size: int) -> None:
-    """Raise ValueError unless every rank of the world can hold at least one sample."""
+def check_sizes(world_size: int, global_batch_size: int, graph: LayerGraph | None = None) -> None:
+    """Raise ValueError unless the world and the global batch can be planned (for `graph`).
+
+    A batch smaller than the world is plannable only when some layer of `graph` can be split by
+    height (the ranks past the batch have work only then) and no layer reduces over each rank's own
+    samples; without a graph it is refused.
+    """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
-    if global_batch_size < world_size:
+    if global_batch_size < 1:
+        raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
+    if global_batch_size >= world_size:
+        return
+    if graph is None or not any(layer.height for layer in graph.layers):
         raise ValueError(
-            f"global batch size {global_batch_size} is smaller than the world size {world_size}; every "
-            "layer may run on all ranks, so each needs at least one sample: raise the batch size or use "
-            "fewer devices"
+            f"global batch size {global_batch_size} is smaller than the world size {world_size}; no layer "
+            "can be split by height (only convolutions, pooling, BatchNorm and pointwise layers can), so "
+            "the ranks past the batch would have no sample: raise the batch size or use fewer devices"
         )
+    per_rank = [layer.name for layer in graph.layers if layer.per_rank]
+    if per_rank:
+        raise ValueError(
+            f"layer {per_rank[0]!r} reduces over each rank's own samples (a loss inside forward), so every "
+            f"rank needs a sample, but the global batch size {global_batch_size} is smaller than the world "
+            f"size {world_size}: raise the batch size, use fewer devices, or compute the loss outside forward"
+        )
+
+
+def as_placement(value: object, what: str) -> Placement:
+    """`value` as a `Placement`: a width (int, not split), a Placement, or a mapping ``{"width": w,
+    "spatial": s}`` (spatial 1 when absent). ValueError starting with `what` otherwise."""
+    width: object
+    spatial: object
+    if isinstance(value, Placement):
+        width, spatial = value
+    elif isinstance(value, Mapping):
+        unknown = sorted(map(str, set(value) - {"width", "spatial"}))
+        if unknown or "width" not in value:
+            problem = f"unknown keys {unknown}" if unknown else "no 'width'"
+            raise ValueError(
+                f"{what}: {dict(value)!r} has {problem}; give a width or a mapping like "
+                "{'width': 4, 'spatial': 2} (4 devices: 2 sample groups, each sample in 2 parts)"
+            )
+        width, spatial = value["width"], value.get("spatial", 1)
+    else:
+        width, spatial = value, 1
+    whole, parts = _integer(width), _integer(spatial)
+    if whole is None or parts is None:
+        raise ValueError(
+            f"{what}: {value!r} is not a width (an int), a Placement or a mapping like "
+            "{'width': 4, 'spatial': 2}"
+        )
+    return Placement(whole, parts)
+
+
+def _integer(value: object) -> int | None:
+    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
+
+
+def check_placement(
+    layer: Layer, placement: Placement, *, world_size: int, global_batch_size: int | None
+) -> None:
+    """Raise ValueError naming the layer unless it can run at `placement`: width in 1..N, a spatial split
+    that divides the width, only on a layer with a height and into at most its rows, and at most one
+    sample group per sample of the global batch (unchecked when the batch is None)."""
+    width, spatial = placement
+    if not 1 <= width <= world_size:
+        raise ValueError(f"layer {layer.name!r}: width {width} is outside 1..{world_size}")
+    if spatial < 1 or width % spatial:
+        raise ValueError(
+            f"layer {layer.name!r}: spatial {spatial} does not divide width {width}; split each sample in a "
+            f"number of parts that divides the width (1: not split)"
+        )
+    if spatial > 1 and not layer.height:
+        raise ValueError(
+            f"layer {layer.name!r} cannot be split by height (spatial {spatial}): only convolutions, "
+            "pooling, BatchNorm and pointwise layers can; give it spatial 1"
+        )
+    if spatial > layer.height > 0:
+        raise ValueError(
+            f"layer {layer.name!r}: spatial {spatial} is more parts than its {layer.height} rows; use at "
+            f"most spatial {layer.height}"
+        )
+    if global_batch_size is not None and placement.groups > global_batch_size:
+        instead = (
+            ", or split each sample in more parts (a larger spatial)"
+            if layer.height
+            else ": it cannot be split by height"
+        )
+        groups, samples = _count(placement.groups, "sample group"), _count(global_batch_size, "sample")
+        raise ValueError(
+            f"layer {layer.name!r}: width {width} at spatial {spatial} makes {groups} but the global batch "
+            f"has {samples}; use at most {_count(global_batch_size, 'group')} (width <= "
+            f"{global_batch_size * spatial} at spatial {spatial}){instead}"
+        )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _placement(value: int | Placement) -> Placement:
+    return value if isinstance(value, Placement) else Placement(int(value))
 
 
 def check_profile(graph: LayerGraph, profile: Profile) -> None:
@@ -77,14 +193,72 @@ def per_device_batch(global_batch_size: int, width: int) -> int:
     return math.ceil(global_batch_size / width)
 
 
-def compute_time(profile: Profile, layer: Layer, width: int, global_batch_size: int) -> float:
-    """Profiled fwd+bwd seconds at ``ceil(B / width)``; raises outside the profiled batch sizes."""
-    return profile.layer(layer.name).time(per_device_batch(global_batch_size, width))
+def halo_share(graph: LayerGraph, layer: Layer) -> float:
+    """What a middle part of the layer reads from its neighbours, as a share of a sample of its (first)
+    input: ``halo_bytes`` over that input's bytes per sample (0 without a halo)."""
+    if not layer.halo_bytes or not layer.inputs:
+        return 0.0
+    sample_bytes = graph.value_sample_bytes(layer.inputs[0])
+    return layer.halo_bytes / sample_bytes if sample_bytes else 0.0
 
 
-def sync_time(comm: CommProfile, layer: Layer, width: int) -> float:
+def row_share(layer: Layer, spatial: int, halo: float = 0.0) -> float:
+    """Share of a sample one part computes and holds: 1 unsplit, else ``ceil(H / s) / H`` plus the
+    `halo` share it reads from its neighbours, at most 1."""
+    if spatial == 1:
+        return 1.0
+    return min(1.0, math.ceil(layer.height / spatial) / layer.height + halo)
+
+
+def effective_samples(layer: Layer, placement: Placement, global_batch_size: int, halo: float = 0.0) -> float:
+    """The samples' worth one device of the layer computes: its group's ``ceil(B / groups)`` samples,
+    times the share of each it computes (`row_share`)."""
+    batch = per_device_batch(global_batch_size, placement.groups)
+    return batch * row_share(layer, placement.spatial, halo)
+
+
+def fractional_time(measured: LayerProfile, samples: np.ndarray | float) -> np.ndarray:
+    """Seconds at (fractional) sample counts: linear between profiled batch sizes; below the smallest,
+    along the line through the two smallest (through the origin if only one was profiled), never below
+    0; above the largest, the profile's out-of-range error."""
+    x = np.asarray(samples, dtype=float)
+    batches = np.asarray(measured.batch_sizes, dtype=float)
+    seconds = np.asarray(measured.seconds, dtype=float)
+    if x.size and float(x.max()) > batches[-1]:
+        measured.time(math.ceil(float(x.max())))  # raises, naming the profiled range
+    if len(batches) > 1:
+        slope = (seconds[1] - seconds[0]) / (batches[1] - batches[0])
+    else:
+        slope = seconds[0] / batches[0]
+    below = np.maximum(seconds[0] + slope * (x - batches[0]), 0.0)
+    return np.where(x < batches[0], below, np.interp(x, batches, seconds))
+
+
+def compute_time(
+    profile: Profile, layer: Layer, width: int | Placement, global_batch_size: int, *, halo: float = 0.0
+) -> float:
+    """Profiled fwd+bwd seconds at ``ceil(B / width)``, which raises outside the profiled batch sizes;
+    split by height, at the fractional `effective_samples` (`halo`: the layer's `halo_share`)."""
+    placement = _placement(width)
+    measured = profile.layer(layer.name)
+    if placement.spatial == 1:
+        return measured.time(per_device_batch(global_batch_size, placement.width))
+    return float(fractional_time(measured, effective_samples(layer, placement, global_batch_size, halo)))
+
+
+def halo_time(comm: CommProfile, layer: Layer, width: int | Placement, global_batch_size: int) -> float:
+    """Seconds of the layer's halo exchange, forward and backward (0 unless split by height): a middle
+    part's `halo_bytes` for each of its group's samples."""
+    placement = _placement(width)
+    if placement.spatial == 1:
+        return 0.0
+    samples = per_device_batch(global_batch_size, placement.groups)
+    return DIRECTIONS * comm.redistribute_time(layer.halo_bytes * samples)
+
+
+def sync_time(comm: CommProfile, layer: Layer, width: int | Placement) -> float:
     """Seconds to all-reduce the layer's gradients among its ``width`` devices (0 at width 1)."""
-    return comm.allreduce_time(width, layer.param_bytes)
+    return comm.allreduce_time(_placement(width).width, layer.param_bytes)
 
 
 def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]:
@@ -101,17 +275,28 @@ def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]
 def transfer_time(
     comm: CommProfile,
     sample_bytes: int,
-    src_width: int,
-    dst_width: int,
+    src_width: int | Placement,
+    dst_width: int | Placement,
     *,
     world_size: int,
     global_batch_size: int,
+    rows: int = 0,
 ) -> float:
-    """Seconds to redistribute one value between two widths, forward and backward (0 if equal)."""
-    if src_width == dst_width:
+    """Seconds to redistribute one value between two placements, forward and backward (0 if equal).
+
+    Between widths the busiest rank's whole samples (`busiest_samples`); where either side is split by
+    height, its share of samples with rows as fractions (`busiest_shares`) of a value of `rows` rows.
+    """
+    src, dst = _placement(src_width), _placement(dst_width)
+    if src == dst:
         return 0.0
-    samples = busiest_samples(np.array([src_width, dst_width]), world_size, global_batch_size)[0, 1]
-    return DIRECTIONS * comm.redistribute_time(int(samples) * sample_bytes)
+    if src.spatial == dst.spatial == 1:
+        samples = busiest_samples(np.array([src.width, dst.width]), world_size, global_batch_size)[0, 1]
+        return DIRECTIONS * comm.redistribute_time(int(samples) * sample_bytes)
+    if rows < 1:
+        raise ValueError(f"moving a value between {src} and {dst} needs its rows (>= 1), got {rows}")
+    share = busiest_shares([src, dst], rows, world_size, global_batch_size)[0, 1]
+    return DIRECTIONS * comm.redistribute_time(float(share) * sample_bytes)
 
 
 def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int) -> np.ndarray:
@@ -132,6 +317,48 @@ def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int)
     return busiest
 
 
+def busiest_shares(
+    placements: Sequence[Placement], rows: int, world_size: int, global_batch_size: int
+) -> np.ndarray:
+    """``layout.busiest_rank_share`` between the ``layout.Layout.of`` layouts of every pair of placements,
+    for a value of `rows` rows, vectorized the way `busiest_samples` is: a rank's block under each
+    layout is a range of samples times a range of rows, and it sends (receives) what it holds under the
+    old (new) layout minus the overlap of its two blocks."""
+    ranks = np.arange(world_size)
+    widths = np.array([p.width for p in placements])
+    spatial = np.array([p.spatial for p in placements])
+    groups = widths // spatial
+    group = ranks // spatial[:, None]
+    base, extra = np.divmod(global_batch_size, groups)
+    counts = np.where(group < groups[:, None], base[:, None] + (group < extra[:, None]), 0)
+    starts = group * base[:, None] + np.minimum(group, extra[:, None])
+    part = ranks % spatial[:, None]
+    row_base, row_extra = np.divmod(rows, spatial)
+    row_counts = row_base[:, None] + (part < row_extra[:, None])
+    row_starts = part * row_base[:, None] + np.minimum(part, row_extra[:, None])
+    held = counts * row_counts
+    busiest = np.empty((len(placements), len(placements)))
+    for i in range(len(placements)):
+        samples = np.minimum(starts[i] + counts[i], starts + counts) - np.maximum(starts[i], starts)
+        common = np.minimum(row_starts[i] + row_counts[i], row_starts + row_counts) - np.maximum(
+            row_starts[i], row_starts
+        )
+        kept = np.clip(samples, 0, None) * np.clip(common, 0, None)
+        busiest[i] = np.maximum(held[i] - kept, held - kept).max(axis=1) / rows
+    return busiest
+
+
+def value_rows(graph: LayerGraph, producer: str, consumer: Layer | None) -> int:
+    """Rows of a value's split dimension, for costing a move to or from a split by height: the consuming
+    layer's height, else (a graph output, or a consumer that cannot be split) the producing layer's,
+    else 0 (neither end can be split)."""
+    if consumer is not None and consumer.height:
+        return consumer.height
+    if graph.position(producer) >= 0:
+        return graph.layer(producer).height
+    return 0
+
+
 def edges(graph: LayerGraph) -> list[tuple[str, str]]:
     """Every (producer, consumer) value edge, once each, in execution order of the consumer."""
     return [(name, layer.name) for layer in graph.layers for name in dict.fromkeys(layer.inputs)]
@@ -145,18 +372,21 @@ def output_layers(graph: LayerGraph) -> list[str]:
 def evaluate(
     graph: LayerGraph,
     profile: Profile,
-    widths: Mapping[str, int],
+    widths: Mapping[str, int | Placement],
     *,
     world_size: int,
     global_batch_size: int,
 ) -> StepCost:
-    """Predicted per-layer costs of an assignment ``{layer name: width}`` covering every layer."""
-    check_sizes(world_size, global_batch_size)
+    """Predicted per-layer costs of an assignment ``{layer name: width or Placement}`` covering every
+    layer (placements are not checked here: `plan.plan_with_widths` does)."""
+    check_sizes(world_size, global_batch_size, graph)
+    placements = {name: _placement(value) for name, value in widths.items()}
+    full = Placement(world_size)
 
-    def width_of(name: str) -> int:
-        return widths[name] if graph.position(name) >= 0 else world_size
+    def placement_of(name: str) -> Placement:
+        return placements[name] if graph.position(name) >= 0 else full
 
-    def move(value: str, src: int, dst: int) -> float:
+    def move(value: str, src: Placement, dst: Placement, consumer: Layer | None) -> float:
         return transfer_time(
             profile.comm,
             graph.value_sample_bytes(value),
@@ -164,19 +394,30 @@ def evaluate(
             dst,
             world_size=world_size,
             global_batch_size=global_batch_size,
+            rows=value_rows(graph, value, consumer),
         )
 
-    synced = synced_bytes(graph, widths)
+    synced = synced_bytes(graph, {name: placement.width for name, placement in placements.items()})
     transfer = {layer.name: 0.0 for layer in graph.layers}
     for producer, consumer in edges(graph):
-        transfer[consumer] += move(producer, width_of(producer), widths[consumer])
+        transfer[consumer] += move(
+            producer, placement_of(producer), placements[consumer], graph.layer(consumer)
+        )
     for producer in output_layers(graph):
-        transfer[producer] += move(producer, widths[producer], world_size)
+        transfer[producer] += move(producer, placements[producer], full, None)
+    for layer in graph.layers:
+        transfer[layer.name] += halo_time(profile.comm, layer, placements[layer.name], global_batch_size)
     return StepCost(
         {
             layer.name: LayerCost(
-                compute_time(profile, layer, widths[layer.name], global_batch_size),
-                profile.comm.allreduce_time(widths[layer.name], synced[layer.name]),
+                compute_time(
+                    profile,
+                    layer,
+                    placements[layer.name],
+                    global_batch_size,
+                    halo=halo_share(graph, layer),
+                ),
+                profile.comm.allreduce_time(placements[layer.name].width, synced[layer.name]),
                 transfer[layer.name],
             )
             for layer in graph.layers
@@ -190,20 +431,25 @@ def ddp_widths(graph: LayerGraph, world_size: int) -> dict[str, int]:
 
 
 def ddp_baseline(graph: LayerGraph, profile: Profile, *, world_size: int, global_batch_size: int) -> StepCost:
-    """Plain data parallelism under the same cost model."""
+    """Plain data parallelism under the same cost model; with a global batch smaller than the world,
+    data parallelism on as many devices as samples."""
     return evaluate(
         graph,
         profile,
-        ddp_widths(graph, world_size),
+        ddp_widths(graph, min(world_size, global_batch_size)),
         world_size=world_size,
         global_batch_size=global_batch_size,
     )
 
 
-def layer_memory(profile: Profile, layer: Layer, width: int, global_batch_size: int) -> float:
-    """Bytes on each of the layer's devices: profiled peak at its batch (0 if unmeasured), params, grads."""
-    peak = profile.layer(layer.name).memory(per_device_batch(global_batch_size, width))
-    return (peak or 0.0) + 2 * layer.param_bytes
+def layer_memory(
+    profile: Profile, layer: Layer, width: int | Placement, global_batch_size: int, *, halo: float = 0.0
+) -> float:
+    """Bytes on each of the layer's devices: profiled peak at its batch (0 if unmeasured), scaled by
+    the share of each sample a part holds (`row_share`), plus params and grads."""
+    placement = _placement(width)
+    peak = profile.layer(layer.name).memory(per_device_batch(global_batch_size, placement.groups))
+    return (peak or 0.0) * row_share(layer, placement.spatial, halo) + 2 * layer.param_bytes
 
 
 def has_memory(profile: Profile, graph: LayerGraph) -> bool:
@@ -214,14 +460,19 @@ def has_memory(profile: Profile, graph: LayerGraph) -> bool:
 def memory_per_rank(
     graph: LayerGraph,
     profile: Profile,
-    widths: Mapping[str, int],
+    widths: Mapping[str, int | Placement],
     *,
     world_size: int,
     global_batch_size: int,
 ) -> list[float]:
     """Estimated bytes per rank: the layers it runs (rank r runs those wider than r); rank 0 is the max."""
     per_layer = [
-        (widths[layer.name], layer_memory(profile, layer, widths[layer.name], global_batch_size))
+        (
+            _placement(widths[layer.name]).width,
+            layer_memory(
+                profile, layer, widths[layer.name], global_batch_size, halo=halo_share(graph, layer)
+            ),
+        )
         for layer in graph.layers
     ]
     return [sum(m for w, m in per_layer if w > rank) for rank in range(world_size)]

@@ -33,9 +33,10 @@ class Layer:
     `inputs` names the layers or graph inputs whose values it reads; `sample_bytes` is the size of
     its output per sample; `params`/`param_bytes` count the parameters it owns (a parameter shared
     by several layers is counted once, at its first user); `per_rank` layers run at full width only.
-    `height` is the rows of its input's split dimension when it can run on samples split by height
-    (convolutions, pooling, BatchNorm, pointwise operations), 0 when it cannot; `halo_bytes` is what a
-    part between two others reads from them per sample, over all its windows.
+    `height` is the fewest rows (height) of any value it splits when it can run on samples split by
+    height (convolutions, pooling, BatchNorm, pointwise operations), 0 when it cannot: at most that
+    many parts; `halo_bytes` is what a part between two others reads from them per sample, over all
+    its windows.
     """
 
     name: str

@@ -1,27 +1,34 @@
-"""Plans: the width of every layer plus the predicted costs, as versioned JSON the runtime reads.
+"""Plans: the placement (width, and spatial split) of every layer plus the predicted costs, as versioned
+JSON the runtime reads.
 
-JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``.
+JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``. Every layer has
+``"spatial"``; plans written before spatial splits, without it, load with spatial 1.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.profile import Profile
+
+_Key = TypeVar("_Key", bound=Hashable)
 
 PLAN_VERSION = 1
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer's width and its predicted costs (seconds)."""
+    """One layer's placement and its predicted costs (seconds): it runs on ranks 0..width-1, as
+    ``width // spatial`` sample groups, each sample split by height in `spatial` parts (1: not split).
+    A layer's halo exchange is part of its `transfer_s`."""
 
     name: str
     module: str | None
@@ -30,11 +37,16 @@ class LayerPlan:
     sync_s: float
     transfer_s: float
     params: int
+    spatial: int = 1
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.width, self.spatial)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Widths of every layer (execution order) for one graph, world size and global batch size.
+    """Placements of every layer (execution order) for one graph, world size and global batch size.
 
     The predicted step times are the sum of the layers' costs plus `optimizer_s`, the update of every
     parameter that rank 0 (which owns every layer) does each step.
@@ -62,6 +74,10 @@ class Plan:
 
     def widths(self) -> dict[str, int]:
         return {layer.name: layer.width for layer in self.layers}
+
+    def placements(self) -> dict[str, Placement]:
+        """Every layer's width and spatial split."""
+        return {layer.name: layer.placement for layer in self.layers}
 
     @property
     def speedup(self) -> float:
@@ -130,13 +146,25 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
     def table(self) -> str:
-        """Aligned text table of the layers, with predicted step time, speedup and idle fraction per rank."""
-        header = ("layer", "module", "width", "compute ms", "sync ms", "transfer ms", "params")
+        """Aligned text table of the layers, with predicted step time, speedup and idle fraction per rank;
+        a ``spatial`` column (parts per sample) when some layer is split by height."""
+        split = any(layer.spatial > 1 for layer in self.layers)
+        header = (
+            "layer",
+            "module",
+            "width",
+            *(("spatial",) if split else ()),
+            "compute ms",
+            "sync ms",
+            "transfer ms",
+            "params",
+        )
         rows = [
             (
                 layer.name,
                 layer.module or "-",
                 str(layer.width),
+                *((str(layer.spatial),) if split else ()),
                 f"{layer.compute_s * 1e3:.3f}",
                 f"{layer.sync_s * 1e3:.3f}",
                 f"{layer.transfer_s * 1e3:.3f}",
@@ -200,8 +228,8 @@ def _idle_summary(fractions: list[float]) -> str:
     return ", ".join(parts)
 
 
-def equal_width_runs(names: Iterable[str], widths: Mapping[str, int]) -> list[list[str]]:
-    """``names`` in order, cut into maximal runs of consecutive names with one width."""
+def equal_width_runs(names: Iterable[str], widths: Mapping[str, _Key]) -> list[list[str]]:
+    """``names`` in order, cut into maximal runs of consecutive names with one width (or placement)."""
     runs: list[list[str]] = []
     for name in names:
         if runs and widths[runs[-1][0]] == widths[name]:
@@ -212,7 +240,9 @@ def equal_width_runs(names: Iterable[str], widths: Mapping[str, int]) -> list[li
 
 
 def validate_plan(plan: Plan, graph: LayerGraph) -> None:
-    """Raise ValueError naming the layer if a graph layer is missing, unknown or its width is outside 1..N."""
+    """Raise ValueError naming the layer if a graph layer is missing or unknown, or its placement is one
+    it cannot run at: width outside 1..N, a spatial split that does not divide the width, is not
+    allowed on the layer or exceeds its rows, or more sample groups than the global batch has samples."""
     planned = plan.widths()
     for layer in graph.layers:
         if layer.name not in planned:
@@ -225,36 +255,46 @@ def validate_plan(plan: Plan, graph: LayerGraph) -> None:
             raise ValueError(
                 f"layer {layer_plan.name!r} has width {layer_plan.width}, outside 1..{plan.world_size}"
             )
+        cost.check_placement(
+            graph.layer(layer_plan.name),
+            layer_plan.placement,
+            world_size=plan.world_size,
+            global_batch_size=plan.global_batch_size,
+        )
 
 
 def plan_with_widths(
     graph: LayerGraph,
     profile: Profile,
-    widths: Mapping[str, int],
+    widths: Mapping[str, int | Placement | Mapping[str, int]],
     *,
     world_size: int,
     global_batch_size: int,
     amplification_limit: float,
 ) -> Plan:
-    """Cost a given assignment ``{layer name: width}`` (every layer, widths in 1..N) into a Plan."""
-    cost.check_sizes(world_size, global_batch_size)
+    """Cost a given assignment into a Plan: per layer (every one) a width in 1..N, a `Placement`, or a
+    mapping ``{"width": w, "spatial": s}``, checked as `validate_plan` checks a plan."""
+    cost.check_sizes(world_size, global_batch_size, graph)
     cost.check_profile(graph, profile)
     names = {layer.name for layer in graph.layers}
     unknown = sorted(set(widths) - names)
     if unknown:
         raise ValueError(f"widths given for unknown layers {unknown[:5]}")
+    placements: dict[str, Placement] = {}
     for layer in graph.layers:
         if layer.name not in widths:
             raise ValueError(f"layer {layer.name!r} has no width")
-        if not 1 <= widths[layer.name] <= world_size:
-            raise ValueError(f"layer {layer.name!r}: width {widths[layer.name]} is outside 1..{world_size}")
-        if layer.per_rank and widths[layer.name] != world_size:
+        placement = cost.as_placement(widths[layer.name], f"layer {layer.name!r}")
+        cost.check_placement(layer, placement, world_size=world_size, global_batch_size=global_batch_size)
+        if layer.per_rank and placement != Placement(world_size):
             raise ValueError(
                 f"layer {layer.name!r} reduces over each rank's samples (a loss inside forward): it must run "
-                f"at the full width {world_size}, not {widths[layer.name]}"
+                f"at the full width {world_size}, not {placement}"
             )
-    step = cost.evaluate(graph, profile, widths, world_size=world_size, global_batch_size=global_batch_size)
-    ddp = cost.ddp_baseline(graph, profile, world_size=world_size, global_batch_size=global_batch_size)
+        placements[layer.name] = placement
+    sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
+    step = cost.evaluate(graph, profile, placements, **sizes)
+    ddp = cost.ddp_baseline(graph, profile, **sizes)
     return Plan(
         world_size=world_size,
         global_batch_size=global_batch_size,
@@ -267,11 +307,12 @@ def plan_with_widths(
             LayerPlan(
                 name=layer.name,
                 module=layer.module,
-                width=widths[layer.name],
+                width=placements[layer.name].width,
                 compute_s=step.layers[layer.name].compute_s,
                 sync_s=step.layers[layer.name].sync_s,
                 transfer_s=step.layers[layer.name].transfer_s,
                 params=layer.params,
+                spatial=placements[layer.name].spatial,
             )
             for layer in graph.layers
         ),

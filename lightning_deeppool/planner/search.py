@@ -1,14 +1,24 @@
-"""Search: the width assignment that minimizes the predicted step time, under hard constraints.
+"""Search: the placement of every layer (width, and spatial split) that minimizes the predicted step
+time, under hard constraints.
 
-Dynamic programming over layers in execution order. A state holds the widths of the *live* values
+Dynamic programming over layers in execution order. A state holds the placements of the *live* values
 (produced and still read by a later layer); a chain has one live value, a residual block two. The DP
 is exact while at most ``max_states`` states survive a layer; beyond that it keeps the cheapest ones
 and is a heuristic (a beam search).
 
-Candidate widths: every width 1..N while N <= ``EXHAUSTIVE_UP_TO``. Above that, for each distinct
-per-device batch ``ceil(B / w)`` the smallest such w, plus N. Widths with the same per-device batch
-compute equally fast but split the batch differently, so they are not interchangeable for transfers:
-the exhaustive set keeps small worlds exactly optimal.
+Candidate widths (unsplit placements): every width 1..N while N <= ``EXHAUSTIVE_UP_TO``. Above that,
+for each distinct per-device batch ``ceil(B / w)`` the smallest such w, plus N. Widths with the same
+per-device batch compute equally fast but split the batch differently, so they are not
+interchangeable for transfers: the exhaustive set keeps small worlds exactly optimal. Only widths up
+to B qualify (every device of a layer needs a sample), so with B < N no unsplit layer runs wider than B.
+
+Spatial splits (`candidate_placements`), for layers with a height: ``(w, s)`` for s parts in
+`spatial_parts` (2, 3, 4, then powers of two only, which keeps large worlds fast), s dividing w, at
+most B sample groups (so every group has a sample), s at most the layer's height, and only where a
+part computes fewer samples' worth than the finest sample split can, ``ceil(B / (w / s)) / s <
+ceil(B / min(N, B))`` (always so for w > B): otherwise an unsplit width computes about as fast without
+the halo exchange (what is left out gains less than one sample per device). Above ``EXHAUSTIVE_UP_TO``
+devices, per number of parts, only the fewest groups for each per-group batch.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import numpy as np
 
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.graph import Layer, LayerGraph
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.plan import Plan, equal_width_runs, plan_with_widths
 from lightning_deeppool.planner.profile import Profile
 
@@ -34,6 +45,8 @@ DEFAULT_MIN_GAIN = 0.03
 # (closer to DDP, fewer redistributions) is chosen, so two profiles of one model give one plan.
 DEFAULT_TIE_TOLERANCE = 0.01
 EXHAUSTIVE_UP_TO = 64
+# Every number of spatial parts up to this is a candidate; beyond it, powers of two only.
+SPATIAL_EXHAUSTIVE_UP_TO = 4
 DEFAULT_MAX_STATES = 4096
 _LAMBDA_STEPS = 30
 
@@ -48,17 +61,56 @@ def candidate_widths(world_size: int, global_batch_size: int) -> list[int]:
     return sorted({*smallest.values(), world_size})
 
 
-def resolve_pins(graph: LayerGraph, pins: Mapping[str, int] | None, world_size: int) -> dict[str, int]:
-    """Width of every pinned layer. A pin matches a layer whose module or name equals the prefix or starts
-    with ``prefix + "."``; ``""`` matches everything; the longest matching prefix wins."""
+def spatial_parts(world_size: int) -> list[int]:
+    """Numbers of parts a sample may be split in by height: 2..4, then powers of two up to N."""
+    parts = list(range(2, min(SPATIAL_EXHAUSTIVE_UP_TO, world_size) + 1))
+    power = 2 ** SPATIAL_EXHAUSTIVE_UP_TO.bit_length()
+    while power <= world_size:
+        parts.append(power)
+        power *= 2
+    return parts
+
+
+def candidate_placements(world_size: int, global_batch_size: int) -> list[Placement]:
+    """Placements worth considering for an unpinned layer (see the module docstring): the candidate
+    widths of at most B groups, then the spatial splits (for layers with a height)."""
+    plain = [Placement(w) for w in candidate_widths(world_size, global_batch_size) if w <= global_batch_size]
+    finest = cost.per_device_batch(global_batch_size, min(world_size, global_batch_size))
+    large = world_size > EXHAUSTIVE_UP_TO
+    split = []
+    for parts in spatial_parts(world_size):
+        seen = set()
+        for groups in range(1, min(global_batch_size, world_size // parts) + 1):
+            width, batch = groups * parts, cost.per_device_batch(global_batch_size, groups)
+            if batch >= parts * finest or (large and batch in seen):
+                continue
+            seen.add(batch)
+            split.append(Placement(width, parts))
+    return plain + split
+
+
+def resolve_pins(
+    graph: LayerGraph,
+    pins: Mapping[str, int | Placement | Mapping[str, int]] | None,
+    world_size: int,
+    global_batch_size: int | None = None,
+) -> dict[str, Placement]:
+    """Placement of every pinned layer. A pin is a width (int), a `Placement` or a mapping
+    ``{"width": 4, "spatial": 2}`` (4 devices: 2 sample groups, each sample in 2 parts). A pin matches
+    a layer whose module or name equals the prefix or starts with ``prefix + "."``; ``""`` matches
+    everything; the longest matching prefix wins. Every layer a pin decides must be able to run at it
+    (`cost.check_placement`, with `global_batch_size` when given)."""
     if not pins:
         return {}
-    for prefix, width in pins.items():
-        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= world_size:
+    placements = {}
+    for prefix, value in pins.items():
+        placement = cost.as_placement(value, f"pin {prefix!r}")
+        if not 1 <= placement.width <= world_size:
             raise ValueError(
-                f"pin {prefix!r}: width {width!r} is outside 1..{world_size}; pin a width between 1 and the "
-                "world size"
+                f"pin {prefix!r}: width {placement.width} is outside 1..{world_size}; pin a width between 1 "
+                "and the world size"
             )
+        placements[prefix] = placement
 
     def matches(prefix: str, layer: Layer) -> bool:
         keys = [key for key in (layer.module, layer.name) if key is not None]
@@ -74,19 +126,33 @@ def resolve_pins(graph: LayerGraph, pins: Mapping[str, int] | None, world_size: 
     for layer in graph.layers:
         matching = [prefix for prefix in pins if matches(prefix, layer)]
         if matching:
-            resolved[layer.name] = pins[max(matching, key=len)]
+            prefix = max(matching, key=len)
+            try:
+                cost.check_placement(
+                    layer,
+                    placements[prefix],
+                    world_size=world_size,
+                    global_batch_size=global_batch_size,
+                )
+            except ValueError as err:
+                raise ValueError(f"pin {prefix!r}: {err}") from None
+            resolved[layer.name] = placements[prefix]
     return resolved
 
 
-def full_width_layers(graph: LayerGraph, world_size: int) -> dict[str, int]:
+def full_width_layers(graph: LayerGraph, world_size: int) -> dict[str, Placement]:
     """Per-rank layers (reductions over each rank's own samples) run at full width, whatever the pins."""
-    return {layer.name: world_size for layer in graph.layers if layer.per_rank}
+    return {layer.name: Placement(world_size) for layer in graph.layers if layer.per_rank}
 
 
-def amplification(profile: Profile, layer: Layer, width: int, global_batch_size: int) -> float:
-    """Device-time of the layer at ``width`` over its time alone: ``time(w) * w / time(1)``."""
+def amplification(
+    profile: Profile, layer: Layer, width: int | Placement, global_batch_size: int, *, halo: float = 0.0
+) -> float:
+    """Device-time of the layer at ``width`` (or a placement) over its time alone: ``time(w) * w / time(1)``
+    (`halo`: the layer's `cost.halo_share`)."""
+    placement = width if isinstance(width, Placement) else Placement(width)
     alone = cost.compute_time(profile, layer, 1, global_batch_size)
-    spread = cost.compute_time(profile, layer, width, global_batch_size) * width
+    spread = cost.compute_time(profile, layer, placement, global_batch_size, halo=halo) * placement.width
     return spread / alone if alone > 0 else 1.0
 
 
@@ -98,7 +164,7 @@ def search(
     global_batch_size: int,
     amplification_limit: float = 2.0,
     exempt_below_s: float = DEFAULT_EXEMPT_BELOW_S,
-    pins: Mapping[str, int] | None = None,
+    pins: Mapping[str, int | Placement | Mapping[str, int]] | None = None,
     memory_budget_bytes: float | None = None,
     max_states: int = DEFAULT_MAX_STATES,
     min_gain: float = DEFAULT_MIN_GAIN,
@@ -107,15 +173,17 @@ def search(
     """The plan with the least predicted step time.
 
     Hard constraints: every unpinned layer whose time at width 1 is at least ``exempt_below_s`` keeps
-    ``time(w) * w <= amplification_limit * time(1)`` (width 1 always qualifies; ``inf`` disables it);
-    pinned layers take their pin's width unchecked (the user's choice); where the profile has memory,
-    rank 0's estimated bytes stay within ``memory_budget_bytes`` (Lagrangian relaxation). When the best
-    plan is predicted to beat every unpinned layer at full width by less than `min_gain` (a fraction),
-    and full width meets the constraints, full width is returned; otherwise each run of layers of one
-    width is widened (to full width, else to a neighbouring run's width) while the predicted step stays
+    ``time(w) * w <= amplification_limit * time(1)`` at its placement (width 1 always qualifies;
+    ``inf`` disables it); pinned layers take their pin's placement unchecked (the user's choice; `pins`
+    as `resolve_pins` reads them); where the profile has memory, rank 0's estimated bytes stay within
+    ``memory_budget_bytes`` (Lagrangian relaxation). When the best plan is predicted to beat every
+    unpinned layer at full width (N, or B devices when the batch is smaller: data parallelism) by less
+    than `min_gain` (a fraction), and full width meets the constraints, full width is returned;
+    otherwise each run of layers of one placement is widened (to full width, else to a neighbouring
+    run's placement: more devices, or as many with fewer spatial parts) while the predicted step stays
     within `tie_tolerance` of the best.
     """
-    cost.check_sizes(world_size, global_batch_size)
+    cost.check_sizes(world_size, global_batch_size, graph)
     cost.check_profile(graph, profile)
     if amplification_limit < 1:
         raise ValueError(
@@ -129,7 +197,10 @@ def search(
         global_batch_size=global_batch_size,
         amplification_limit=amplification_limit,
         exempt_below_s=exempt_below_s,
-        pinned={**resolve_pins(graph, pins, world_size), **full_width_layers(graph, world_size)},
+        pinned={
+            **resolve_pins(graph, pins, world_size, global_batch_size),
+            **full_width_layers(graph, world_size),
+        },
     )
     if memory_budget_bytes is None:
         choice = _dp(tables, 0.0, max_states)
@@ -140,64 +211,70 @@ def search(
                 "(GPU), or drop the memory budget"
             )
         choice = _fit_memory(tables, memory_budget_bytes, max_states)
-    widths = {layer.name: int(tables.widths[i]) for layer, i in zip(graph.layers, choice, strict=True)}
+    placements = {layer.name: tables.placements[i] for layer, i in zip(graph.layers, choice, strict=True)}
     sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     if memory_budget_bytes is None:
-        widths = _prefer_wide(graph, profile, tables, widths, min_gain, tie_tolerance, **sizes)
-    return plan_with_widths(graph, profile, widths, amplification_limit=amplification_limit, **sizes)
+        placements = _prefer_wide(graph, profile, tables, placements, min_gain, tie_tolerance, **sizes)
+    return plan_with_widths(graph, profile, placements, amplification_limit=amplification_limit, **sizes)
 
 
 def _prefer_wide(
     graph: LayerGraph,
     profile: Profile,
     tables: _Tables,
-    widths: dict[str, int],
+    placements: dict[str, Placement],
     min_gain: float,
     tie_tolerance: float,
     *,
     world_size: int,
     global_batch_size: int,
-) -> dict[str, int]:
+) -> dict[str, Placement]:
     """Full width if the best plan gains less than `min_gain` over it, else the best plan with each
-    run of one width widened while it stays within `tie_tolerance` of the best (see `search`)."""
+    run of one placement widened while it stays within `tie_tolerance` of the best (see `search`)."""
 
-    def step(candidate: dict[str, int]) -> float:
+    def step(candidate: dict[str, Placement]) -> float:
         total = cost.evaluate(
             graph, profile, candidate, world_size=world_size, global_batch_size=global_batch_size
         )
         return total.total_s + profile.optimizer_s
 
-    best = step(widths)
-    full = _full_width(tables, graph, world_size)
-    if full is not None and full != widths and best > (1 - min_gain) * step(full):
+    widest = Placement(min(world_size, global_batch_size))
+    best = step(placements)
+    full = _full_width(tables, graph, widest)
+    if full is not None and full != placements and best > (1 - min_gain) * step(full):
         return full
     allowed = {
-        layer.name: {int(tables.widths[i]) for i in indices}
+        layer.name: {tables.placements[i] for i in indices}
         for layer, indices in zip(graph.layers, tables.allowed, strict=True)
     }
-    runs = equal_width_runs((layer.name for layer in graph.layers), widths)
+    runs = equal_width_runs((layer.name for layer in graph.layers), placements)
     for i, run in enumerate(runs):
-        current = widths[run[0]]
-        neighbours = {widths[r[0]] for r in runs[max(i - 1, 0) : i + 2]}
-        for width in sorted({world_size, *neighbours}, reverse=True):
-            if width <= current or any(width not in allowed[name] for name in run):
+        current = placements[run[0]]
+        neighbours = {placements[r[0]] for r in runs[max(i - 1, 0) : i + 2]}
+        for option in sorted({widest, *neighbours}, key=_breadth, reverse=True):
+            if _breadth(option) <= _breadth(current) or any(option not in allowed[name] for name in run):
                 continue
-            trial = {**widths, **dict.fromkeys(run, width)}
+            trial = {**placements, **dict.fromkeys(run, option)}
             if step(trial) <= (1 + tie_tolerance) * best:
-                widths = trial
+                placements = trial
                 break
-    return widths
+    return placements
 
 
-def _full_width(tables: _Tables, graph: LayerGraph, world_size: int) -> dict[str, int] | None:
-    """Every layer at full width but the pinned ones, if the constraints allow it."""
+def _breadth(placement: Placement) -> tuple[int, int]:
+    """Wider first: more devices, then (on as many) fewer spatial parts, closer to data parallelism."""
+    return placement.width, -placement.spatial
+
+
+def _full_width(tables: _Tables, graph: LayerGraph, widest: Placement) -> dict[str, Placement] | None:
+    """Every layer at `widest` but the pinned ones, if the constraints allow it."""
     full = {}
     for layer, allowed in zip(graph.layers, tables.allowed, strict=True):
-        widths = [int(tables.widths[i]) for i in allowed]
-        if len(widths) == 1 and widths[0] != world_size:
-            full[layer.name] = widths[0]  # pinned
-        elif world_size in widths:
-            full[layer.name] = world_size
+        options = [tables.placements[i] for i in allowed]
+        if len(options) == 1 and options[0] != widest:
+            full[layer.name] = options[0]  # pinned
+        elif widest in options:
+            full[layer.name] = widest
         else:
             return None
     return full
@@ -205,11 +282,11 @@ def _full_width(tables: _Tables, graph: LayerGraph, world_size: int) -> dict[str
 
 @dataclass(frozen=True)
 class _Tables:
-    """Per-layer cost vectors over its allowed widths, indexed into the shared candidate list."""
+    """Per-layer cost vectors over its allowed placements, indexed into the shared candidate list."""
 
-    widths: np.ndarray  # (C,) candidate widths
-    allowed: list[np.ndarray]  # per layer: indices into `widths`
-    own: list[np.ndarray]  # per layer: compute + sync + transfers from graph inputs and to outputs
+    placements: list[Placement]  # (C,) candidate placements
+    allowed: list[np.ndarray]  # per layer: indices into `placements`
+    own: list[np.ndarray]  # per layer: compute + sync + halo + transfers from graph inputs and to outputs
     memory: list[np.ndarray]  # per layer: bytes on each of its devices
     edges: list[list[tuple[str, np.ndarray]]]  # per layer: (producer layer, (C, allowed) transfer s)
     last_use: dict[str, int]  # layer -> position of its last consumer (absent: none)
@@ -225,85 +302,140 @@ class _Tables:
         global_batch_size: int,
         amplification_limit: float,
         exempt_below_s: float,
-        pinned: Mapping[str, int],
+        pinned: Mapping[str, Placement],
     ) -> _Tables:
-        base = candidate_widths(world_size, global_batch_size)
-        widths = np.array(sorted({*base, *pinned.values()}))
-        index = {int(w): i for i, w in enumerate(widths)}
-        base_index = np.array([index[w] for w in base])
-        batches = -(-global_batch_size // widths)
-        transfer = _TransferTable(profile, widths, world_size, global_batch_size)
-        full = index[world_size]
+        tallest = max((layer.height for layer in graph.layers if layer.name not in pinned), default=0)
+        base = [
+            p for p in candidate_placements(world_size, global_batch_size) if p.spatial <= max(tallest, 1)
+        ]
+        full = Placement(world_size)  # where graph inputs and outputs live
+        placements = sorted({*base, *pinned.values(), full, Placement(1)})
+        index = {p: i for i, p in enumerate(placements)}
+        widths = np.array([p.width for p in placements])
+        spatial = np.array([p.spatial for p in placements])
+        batches = -(-global_batch_size // (widths // spatial))
+        plain = np.array([index[p] for p in base if p.spatial == 1])
+        split = np.array([index[p] for p in base if p.spatial > 1], dtype=np.int64)
+        transfer = _TransferTable(profile, placements, world_size, global_batch_size)
         outputs = set(cost.output_layers(graph))
 
         allowed, own, memory, edges = [], [], [], []
         for layer in graph.layers:
-            times = _interpolate(profile, layer, batches)
+            halo = cost.halo_share(graph, layer)
             if layer.name in pinned:
                 idx = np.array([index[pinned[layer.name]]])
+                times = _times(profile, layer, idx, batches, spatial, halo)
             else:
-                ok = _within_limit(times, widths, amplification_limit, exempt_below_s)
-                idx = base_index[ok[base_index]]
+                idx = np.concatenate([plain, split[spatial[split] <= layer.height]])
+                times = _times(profile, layer, idx, batches, spatial, halo)
+                alone = float(times[widths[idx] == 1][0])
+                ok = _within_limit(times, widths[idx], alone, amplification_limit, exempt_below_s)
+                idx, times = idx[ok], times[ok]
             sync = np.array([cost.sync_time(profile.comm, layer, int(w)) for w in widths[idx]])
-            vector = times[idx] + sync
+            halos = [cost.halo_time(profile.comm, layer, placements[i], global_batch_size) for i in idx]
+            vector = times + sync + np.array(halos)
             layer_edges = []
             for name in dict.fromkeys(layer.inputs):
-                matrix = transfer.seconds(graph.value_sample_bytes(name))[:, idx]
+                rows = cost.value_rows(graph, name, layer)
+                matrix = transfer.seconds(graph.value_sample_bytes(name), rows)[:, idx]
                 if graph.position(name) >= 0:
                     layer_edges.append((name, matrix))
                 else:
-                    vector = vector + matrix[full]
+                    vector = vector + matrix[index[full]]
             if layer.name in outputs:
-                vector = vector + transfer.seconds(layer.sample_bytes)[idx, full]
+                rows = cost.value_rows(graph, layer.name, None)
+                vector = vector + transfer.seconds(layer.sample_bytes, rows)[idx, index[full]]
             allowed.append(idx)
             own.append(vector)
-            memory.append(_memory(profile, layer, batches[idx]))
+            memory.append(_memory(profile, layer, batches[idx], spatial[idx], halo))
             edges.append(layer_edges)
         last_use = {name: k for k, layer in enumerate(graph.layers) for name in layer.inputs}
-        return cls(widths, allowed, own, memory, edges, last_use, [layer.name for layer in graph.layers])
+        return cls(placements, allowed, own, memory, edges, last_use, [layer.name for layer in graph.layers])
 
 
-def _interpolate(profile: Profile, layer: Layer, batches: np.ndarray) -> np.ndarray:
-    """Profiled times at these per-device batches; the profile's own error outside its range."""
+def _times(
+    profile: Profile,
+    layer: Layer,
+    idx: np.ndarray,
+    batches: np.ndarray,
+    spatial: np.ndarray,
+    halo: float,
+) -> np.ndarray:
+    """Compute seconds at candidates `idx`: profiled times at their per-device batches (the profile's
+    own error outside its range), split by height at their fractional `cost.effective_samples`."""
     measured = profile.layer(layer.name)
-    for batch in (int(batches.min()), int(batches.max())):
-        measured.time(batch)
-    return np.interp(batches, measured.batch_sizes, measured.seconds)
+    batch, parts = batches[idx], spatial[idx]
+    unsplit = parts == 1
+    times = np.empty(len(idx))
+    if unsplit.any():
+        for size in (int(batch[unsplit].min()), int(batch[unsplit].max())):
+            measured.time(size)
+        times[unsplit] = np.interp(batch[unsplit], measured.batch_sizes, measured.seconds)
+    if not unsplit.all():
+        shares = [cost.row_share(layer, int(s), halo) for s in parts[~unsplit]]
+        times[~unsplit] = cost.fractional_time(measured, batch[~unsplit] * np.array(shares))
+    return times
 
 
-def _memory(profile: Profile, layer: Layer, batches: np.ndarray) -> np.ndarray:
+def _memory(
+    profile: Profile, layer: Layer, batches: np.ndarray, spatial: np.ndarray, halo: float
+) -> np.ndarray:
     measured = profile.layer(layer.name)
     peak = (
         np.zeros(len(batches))
         if measured.peak_bytes is None
         else np.interp(batches, measured.batch_sizes, measured.peak_bytes)
     )
-    return peak + 2 * layer.param_bytes
+    shares = np.array([cost.row_share(layer, int(s), halo) for s in spatial])
+    return peak * shares + 2 * layer.param_bytes
 
 
-def _within_limit(times: np.ndarray, widths: np.ndarray, limit: float, exempt_below_s: float) -> np.ndarray:
-    """Mask of widths meeting the amplification limit; times[i] is the time at widths[i]."""
-    alone = float(times[widths == 1][0])
+def _within_limit(
+    times: np.ndarray, widths: np.ndarray, alone: float, limit: float, exempt_below_s: float
+) -> np.ndarray:
+    """Mask of placements meeting the amplification limit; times[i] is the time at widths[i] devices and
+    `alone` the time at width 1."""
     if math.isinf(limit) or alone < exempt_below_s:
         return np.ones(len(widths), dtype=bool)
     return (times * widths <= limit * alone) | (widths == 1)
 
 
 class _TransferTable:
-    """Seconds (both directions) to move a value between any two candidate widths, per sample size."""
+    """Seconds (both directions) to move a value between any two candidate placements, per sample size
+    and (where a side is split by height) the value's rows."""
 
-    def __init__(self, profile: Profile, widths: np.ndarray, world_size: int, global_batch_size: int) -> None:
-        busiest = cost.busiest_samples(widths, world_size, global_batch_size)
-        self._samples, self._inverse = np.unique(busiest, return_inverse=True)
-        self._shape = busiest.shape
+    def __init__(
+        self, profile: Profile, placements: list[Placement], world_size: int, global_batch_size: int
+    ) -> None:
+        self._placements = placements
+        self._sizes = (world_size, global_batch_size)
+        widths = np.array([p.width for p in placements])
+        self._plain = cost.busiest_samples(widths, world_size, global_batch_size)
+        self._split = np.array([p.spatial > 1 for p in placements])
         self._comm = profile.comm
-        self._cache: dict[int, np.ndarray] = {}
+        self._busiest: dict[int, tuple[np.ndarray, np.ndarray, tuple[int, int]]] = {}
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
 
-    def seconds(self, sample_bytes: int) -> np.ndarray:
-        if sample_bytes not in self._cache:
-            per_value = np.array([self._comm.redistribute_time(int(s) * sample_bytes) for s in self._samples])
-            self._cache[sample_bytes] = cost.DIRECTIONS * per_value[self._inverse].reshape(self._shape)
-        return self._cache[sample_bytes]
+    def _shares(self, rows: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+        """Distinct busiest shares between every pair, and where each pair's is."""
+        rows = rows if self._split.any() else 0
+        if rows not in self._busiest:
+            busiest: np.ndarray = self._plain
+            if rows:
+                either = self._split[:, None] | self._split[None, :]
+                shares = cost.busiest_shares(self._placements, rows, *self._sizes)
+                busiest = np.where(either, shares, self._plain)
+            values, inverse = np.unique(busiest, return_inverse=True)
+            self._busiest[rows] = values, inverse, busiest.shape
+        return self._busiest[rows]
+
+    def seconds(self, sample_bytes: int, rows: int) -> np.ndarray:
+        key = (sample_bytes, rows if self._split.any() else 0)
+        if key not in self._cache:
+            values, inverse, shape = self._shares(rows)
+            per_value = np.array([self._comm.redistribute_time(v * sample_bytes) for v in values.tolist()])
+            self._cache[key] = cost.DIRECTIONS * per_value[inverse].reshape(shape)
+        return self._cache[key]
 
 
 @dataclass(frozen=True)
@@ -328,7 +460,7 @@ def _dp(tables: _Tables, weight: float, max_states: int) -> list[int]:
     steps = []
     for k, name in enumerate(tables.names):
         keep = [i for i, value in enumerate(live) if tables.last_use[value] > k]
-        order, starts = _sort_groups(states[:, keep], len(tables.widths))
+        order, starts = _sort_groups(states[:, keep], len(tables.placements))
         states, costs = states[order], costs[order]
         best = np.minimum.reduceat(_step_costs(tables, k, live, states, costs, weight), starts, axis=0)
         kept = states[starts][:, keep]

@@ -3,8 +3,10 @@
 Pure functions over a layer graph and a profile (no torch). The model, at a fixed global batch B on N
 devices:
 
-- **DDP**: every layer at width N, costed by `cost.ddp_baseline`.
-- **Burst**: the plan `search.search` finds, costed by the same model.
+- **DDP**: every layer at width N, costed by `cost.ddp_baseline` (with B < N, on B devices: the
+  most data parallelism can use).
+- **Burst**: the plan `search.search` finds, costed by the same model; it may split samples by height
+  (`layout.Placement`), which lets layers use more devices than there are samples.
 - **Burst + background fill**: device-time the plan leaves idle runs background training. A rank is
   idle during the compute of every layer narrower than its index (`Plan.idle_fractions`); time spent
   in transfers and gradient syncs is not counted as idle. Background work is valued in
@@ -88,13 +90,14 @@ def project(
 
     The profile must cover per-device batches ``ceil(B / N)`` .. ``B`` for every N (profile with
     ``candidate_batch_sizes(B, max(devices))``); otherwise the profile's out-of-range error is raised.
+    A device count above B needs layers that can be split by height (`cost.check_sizes`).
     """
     if not devices:
         raise ValueError("no device counts to project; give at least one, e.g. 8,16,32")
     if not 0 <= background_efficiency <= 1:
         raise ValueError(f"background efficiency must be in 0..1, got {background_efficiency}")
     for n in devices:
-        cost.check_sizes(n, global_batch_size)
+        cost.check_sizes(n, global_batch_size, graph)
     single = cost.evaluate(
         graph,
         profile,
@@ -164,7 +167,19 @@ def table(projections: Sequence[Projection]) -> str:
             f"{p.background_efficiency:g}, valued as the same model on one device "
             f"(single-device step {p.single_device_step_s * 1e3:.3f} ms)"
         )
+    split = [(p.devices, spatial_summary(p.plan)) for p in projections if spatial_summary(p.plan)]
+    if split:
+        lines.append("split by height: " + "; ".join(f"{n} devices: {summary}" for n, summary in split))
     return "\n".join(lines)
+
+
+def spatial_summary(plan: Plan) -> str:
+    """``3 of 4 layers, 2 parts per sample`` for a plan that splits samples by height, else ``""``."""
+    parts = sorted({layer.spatial for layer in plan.layers if layer.spatial > 1})
+    if not parts:
+        return ""
+    count = sum(layer.spatial > 1 for layer in plan.layers)
+    return f"{count} of {len(plan.layers)} layers, {'/'.join(map(str, parts))} parts per sample"
 
 
 def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
@@ -184,6 +199,12 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
         "not modelled: overlap of compute and communication, contention between concurrent transfers, "
         "topology (one link model for every pair of devices)",
     ]
+    if any(spatial_summary(p.plan) for p in projections):
+        lines.append(
+            "splits by height: a part's compute is the profiled time at its share of the samples' rows "
+            "(interpolated, and below the smallest profiled batch extrapolated from the two smallest); "
+            "its halo exchange is point-to-point, forward and backward"
+        )
     if projections:
         lines.append(
             f"background fill: efficiency {projections[0].background_efficiency:g} of idle device-time, "

@@ -65,6 +65,10 @@ class DeepPoolStrategy(DDPStrategy):
         exempt_below_s: layers faster than this at width 1 are exempt from the amplification limit.
         memory_budget_bytes: per-device memory budget where memory is profiled (CUDA).
         bucket_mb: gradient all-reduce bucket size.
+        shared_batch: every rank's DataLoader yields the same batch, which is the global batch (the
+            strategy's sampler does not shard the data); each rank keeps its share of the samples for
+            the plan and gets the whole batch's outputs back, so every rank computes one device's loss.
+            This trains batches smaller than the device count, on layers the plan splits by height.
     """
 
     strategy_name = "deeppool"
@@ -83,6 +87,7 @@ class DeepPoolStrategy(DDPStrategy):
         exempt_below_s: float = DEFAULT_EXEMPT_BELOW_S,
         memory_budget_bytes: float | None = None,
         bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        shared_batch: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -120,6 +125,7 @@ class DeepPoolStrategy(DDPStrategy):
             exempt_below_s=exempt_below_s,
             memory_budget_bytes=memory_budget_bytes,
             bucket_bytes=int(bucket_mb * 2**20),
+            shared_batch=shared_batch,
         )
         self.module_name = module
         self.idle_windows = IdleWindows()
@@ -131,6 +137,14 @@ class DeepPoolStrategy(DDPStrategy):
         self._between_steps_loop: Any = None
         self.step_times = StepTimes()
         self.measured_step_time_s: float | None = None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With a shared batch every rank reads all the data, in the same order."""
+        if self.installer.shared_batch:
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
 
     @property
     def profile(self) -> Profile | None:

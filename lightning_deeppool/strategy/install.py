@@ -30,7 +30,7 @@ from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import Schedule, build_schedule
+from lightning_deeppool.strategy.schedule import Schedule, build_schedule, spatial_parts
 
 UNPLANNED = "<unplanned>."
 
@@ -50,6 +50,7 @@ class Installer:
     exempt_below_s: float
     memory_budget_bytes: float | None
     bucket_bytes: int
+    shared_batch: bool = False
     profile: Profile | None = None
 
     def install(
@@ -69,20 +70,28 @@ class Installer:
         fit's), and build every rank's runtime."""
         world_size = dist.get_world_size()
         # Before capture: a rank without samples cannot capture, and must fail with the others.
-        global_batch = _global_batch_size(args, kwargs, world_size, idle)
+        global_batch = _global_batch_size(args, kwargs, world_size, idle, self.shared_batch)
         captured = on_every_rank(
             lambda: capture_graph(
                 target, args, kwargs, leaf_modules=self.leaf_modules, granularity=self.granularity
             )
         )
         _check_same_capture(captured)
+        if self.shared_batch:
+            _check_shareable(captured)
         if plan is None:
             plan = self._plan(
                 captured, captured.bind(args, kwargs), global_batch, device, optimizers, log_dir
             )
         plan.check_matches(captured.graph, world_size)
         return Installation.build(
-            root, captured, plan, device=device, idle=idle, bucket_bytes=self.bucket_bytes
+            root,
+            captured,
+            plan,
+            device=device,
+            idle=idle,
+            bucket_bytes=self.bucket_bytes,
+            shared_batch=self.shared_batch,
         )
 
     def _plan(
@@ -166,13 +175,14 @@ class Installation:
         device: torch.device,
         idle: IdleWindows,
         bucket_bytes: int,
+        shared_batch: bool = False,
     ) -> Installation:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         used = {name for names in captured.layer_params.values() for name in names}
         params = {name: p for name, p in captured.module.named_parameters() if name in used}
         schedule = build_schedule(
             captured.graph,
-            plan.widths(),
+            plan.placements(),
             captured.layer_params,
             {name: p.numel() * p.element_size() for name, p in params.items()},
             world_size,
@@ -182,7 +192,9 @@ class Installation:
         unplanned = {f"{UNPLANNED}{name}": p for name, p in root.named_parameters() if id(p) not in planned}
         widths = {name: schedule.param_widths.get(name, world_size) for name in params}
         widths.update(dict.fromkeys(unplanned, world_size))
-        groups = PlanGroups([*schedule.param_widths.values(), world_size], world_size)
+        groups = PlanGroups(
+            [*schedule.param_widths.values(), world_size], world_size, spatial_parts(schedule)
+        )
         uses: dict[str, int] = {}
         for used_by_layer in captured.layer_params.values():
             for name in used_by_layer:
@@ -204,6 +216,8 @@ class Installation:
             grad_sync=grad_sync,
             idle=idle,
             redistribution=groups.redistribution,
+            spatial_groups=groups.spatial,
+            shared=shared_batch,
         )
         grad_sync.waiting = runtime.idle_window
         names = {id(p): name for name, p in {**params, **unplanned}.items()}
@@ -253,20 +267,41 @@ class Installation:
 
 
 def _global_batch_size(
-    args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, idle: IdleWindows
+    args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, idle: IdleWindows, shared: bool
 ) -> int:
-    """Sum of the ranks' sample counts (tensor arguments are batches). Collective."""
+    """Sum of the ranks' sample counts (tensor arguments are batches), or with a shared batch the
+    count every rank read. Collective."""
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
     counts: list[Any] = [None] * world_size
     with idle.window("global_batch_size"):
         dist.all_gather_object(counts, leaves[0].shape[0] if leaves else 0)
+    if shared:
+        if len(set(counts)) > 1 or not counts[0]:
+            raise ValueError(
+                f"shared_batch=True needs every rank to read the same global batch, but the ranks read "
+                f"{counts} samples; give every rank the same data"
+            )
+        return int(counts[0])
     total = sum(counts)
     if total < world_size:
         raise ValueError(
             f"the global batch has {total} samples ({counts} per rank), fewer than the {world_size} "
-            "devices: every device needs at least one sample. Increase the DataLoader batch_size."
+            "devices: every device needs at least one sample. Increase the DataLoader batch_size, or, "
+            "for a convolutional model whose layers can split each sample by height, pass "
+            "DeepPoolStrategy(shared_batch=True) and give every rank the whole batch"
         )
     return int(total)
+
+
+def _check_shareable(captured: CapturedGraph) -> None:
+    """A shared batch returns the whole batch's outputs: none may be reduced over a rank's samples."""
+    per_rank = [layer.name for layer in captured.graph.layers if layer.per_rank]
+    if per_rank:
+        raise ValueError(
+            f"shared_batch=True: the planned forward reduces over each rank's samples in {per_rank[:3]} "
+            "(a loss inside forward); compute the loss outside the planned module, or use "
+            "shared_batch=False"
+        )
 
 
 def _check_same_capture(captured: CapturedGraph) -> None:

@@ -1,4 +1,5 @@
-"""Move a batch tensor's samples from one layout to another with point-to-point messages."""
+"""Move a batch tensor's samples (and, under spatial splits, rows) from one layout to another with
+point-to-point messages."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.planner.layout import offsets, transfers
+from lightning_deeppool.planner.layout import Block, Layout, pieces
+
+ROWS = 2  # the split dimension of a samples-first image batch (N, C, H, W)
 
 
 def redistribute(
     local: torch.Tensor | None,
-    src: tuple[int, ...],
-    dst: tuple[int, ...],
+    src: Layout,
+    dst: Layout,
     *,
     rank: int,
     sample_shape: tuple[int, ...],
@@ -27,26 +30,45 @@ def redistribute(
 
     Every rank whose samples move must call it with the same layouts; the others may skip it.
     `local` is None on ranks that hold nothing under `src`; ranks that hold nothing under `dst`
-    get None back. Messages are posted sorted by peer so every pair of ranks agrees on order.
-    The wait for them runs inside `waiting()` (an idle window); `group` (default: the world) must
-    contain every rank, peers being global ranks.
+    get None back. When either layout splits rows, they are dimension `ROWS` of the tensor and
+    ``sample_shape[ROWS - 1]`` of the whole sample. Messages are posted sorted by peer so every pair
+    of ranks agrees on order. The wait for them runs inside `waiting()` (an idle window); `group`
+    (default: the world) must contain every rank, peers being global ranks.
     """
-    src_start, dst_start = offsets(src)[rank], offsets(dst)[rank]
-    out = torch.empty((dst[rank], *sample_shape), dtype=dtype, device=device) if dst[rank] else None
+    split = src.spatial > 1 or dst.spatial > 1
+    size = sample_shape[ROWS - 1] if split else 1
+    mine, wanted = src.block(rank, size), dst.block(rank, size)
+    out = None
+    if wanted.samples:
+        shape = (wanted.samples, *sample_shape)
+        if split:
+            shape = (*shape[:ROWS], wanted.rows, *shape[ROWS + 1 :])
+        out = torch.empty(shape, dtype=dtype, device=device)
     if local is not None and out is not None:
-        lo, hi = max(src_start, dst_start), min(src_start + src[rank], dst_start + dst[rank])
-        if hi > lo:
-            out[lo - dst_start : hi - dst_start].copy_(local[lo - src_start : hi - src_start])
-    ops = []
-    for move in transfers(src, dst):
-        if move.src == rank and local is not None:
-            piece = local[move.start - src_start : move.start - src_start + move.samples].contiguous()
-            ops.append(dist.P2POp(dist.isend, piece, move.dst, group))
-        elif move.dst == rank and out is not None:
-            view = out[move.start - dst_start : move.start - dst_start + move.samples]
-            ops.append(dist.P2POp(dist.irecv, view, move.src, group))
+        kept = mine.overlap(wanted)
+        if kept is not None:
+            _region(out, wanted, kept, split).copy_(_region(local, mine, kept, split))
+    ops, landed = [], []
+    for piece in pieces(src, dst, size):
+        if piece.src == rank and local is not None:
+            chunk = _region(local, mine, piece.block, split).contiguous()
+            ops.append(dist.P2POp(dist.isend, chunk, piece.dst, group))
+        elif piece.dst == rank and out is not None:
+            view = _region(out, wanted, piece.block, split)
+            buffer = view if view.is_contiguous() else torch.empty_like(view)
+            landed.append((view, buffer))
+            ops.append(dist.P2POp(dist.irecv, buffer, piece.src, group))
     post_and_wait(ops, waiting)
+    for view, buffer in landed:
+        if buffer is not view:
+            view.copy_(buffer)
     return out
+
+
+def _region(tensor: torch.Tensor, held: Block, part: Block, split: bool) -> torch.Tensor:
+    """The view of `part` in `tensor`, which holds `held`."""
+    view = tensor.narrow(0, part.start - held.start, part.samples)
+    return view.narrow(ROWS, part.row_start - held.row_start, part.rows) if split else view
 
 
 def post_and_wait(

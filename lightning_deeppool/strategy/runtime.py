@@ -10,7 +10,7 @@ code before the planned module).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,19 +21,21 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, GuardError, ValueMeta
 from lightning_deeppool.capture.graph import preserved, value_meta
-from lightning_deeppool.capture.values import rows_view, samples_view
-from lightning_deeppool.planner.layout import balanced
+from lightning_deeppool.capture.values import LeafMeta, rows_view, samples_view
+from lightning_deeppool.planner.layout import Layout, Placement
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.redistribute import redistribute
-from lightning_deeppool.strategy.schedule import Action, Schedule
+from lightning_deeppool.strategy.redistribute import ROWS, redistribute
+from lightning_deeppool.strategy.schedule import Action, Schedule, Stage
+from lightning_deeppool.strategy.shared import checksum, gather_batch, keep_share, shares
+from lightning_deeppool.strategy.spatial_layer import SpatialPart, run_layer_split
 
-Key = tuple[str, int]
+Key = tuple[str, Placement]
 
 
 @dataclass
 class _Step:
-    """State of one forward (and its backward): values and pending gradients per (value, width)."""
+    """State of one forward (and its backward): values and pending gradients per (value, placement)."""
 
     counts: tuple[int, ...]
     meta: dict[str, ValueMeta]
@@ -45,13 +47,18 @@ class _Step:
     leaves: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
-    _layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    _layouts: dict[Placement, Layout] = field(default_factory=dict)
 
-    def layout(self, width: int) -> tuple[int, ...]:
-        if width not in self._layouts:
+    def layout(self, placement: Placement) -> Layout:
+        """Who holds what under `placement`; at the full width, the samples each rank brought."""
+        if placement not in self._layouts:
             world = len(self.counts)
-            self._layouts[width] = self.counts if width == world else balanced(sum(self.counts), width, world)
-        return self._layouts[width]
+            self._layouts[placement] = (
+                Layout(self.counts, 1, world)
+                if placement == Placement(world)
+                else Layout.of(placement, sum(self.counts), world)
+            )
+        return self._layouts[placement]
 
 
 class BurstRuntime:
@@ -67,6 +74,8 @@ class BurstRuntime:
         grad_sync: GradSync,
         idle: IdleWindows | None = None,
         redistribution: dist.ProcessGroup | None = None,
+        spatial_groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
+        shared: bool = False,
     ) -> None:
         self.captured = captured
         self.schedule = schedule
@@ -76,6 +85,9 @@ class BurstRuntime:
         self.grad_sync = grad_sync
         self.idle = idle or IdleWindows()
         self.redistribution = redistribution
+        self.spatial_groups = dict(spatial_groups or {})
+        self.home = Placement(self.world_size)
+        self.shared = shared
         self.last_action: Action | None = None
         self.keep_last_step = False
         self.last_step: _Step | None = None
@@ -104,11 +116,18 @@ class BurstRuntime:
         local = {name: inputs[name] for name in self.captured.local_inputs}
         training = torch.is_grad_enabled()
         input_grads = {name: training and batch[name].requires_grad for name in batch}
+        if self.shared and any(input_grads.values()):
+            raise ValueError(
+                "shared_batch=True: the planned forward's inputs require grad, which a shared batch does not "
+                "support; detach them or use shared_batch=False"
+            )
         counts, meta = self._agree_on_batch(batch, local, input_grads)
+        if self.shared:
+            batch = {name: keep_share(t, counts, self.rank) for name, t in batch.items()}
         self.grad_sync.track_new_parameters()
         step = _Step(counts, meta, training, local, input_grads)
         for name, value in batch.items():
-            step.values[(name, self.world_size)] = value
+            step.values[(name, self.home)] = value
         self._run(step, self.schedule.forward)
         self.last_step = step if self.keep_last_step else None
         return self._outputs(step)
@@ -117,10 +136,10 @@ class BurstRuntime:
         self, batch: dict[str, torch.Tensor], local: dict[str, Any], input_grads: dict[str, bool]
     ) -> tuple[tuple[int, ...], dict[str, ValueMeta]]:
         """All-gather local sample counts and call signatures; every rank checks the same data."""
-        counts = {t.shape[0] for t in batch.values()}
-        if len(counts) > 1:
-            raise ValueError(f"batch inputs disagree on the number of samples: {sorted(counts)}")
-        count = counts.pop()
+        found = {t.shape[0] for t in batch.values()}
+        if len(found) > 1:
+            raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
+        count = found.pop()
         samples = [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
         signature = repr(
             (
@@ -135,7 +154,8 @@ class BurstRuntime:
         except GuardError as err:
             guard = str(err)
         digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
-        mine = torch.tensor([count, digest, int(bool(guard))], dtype=torch.int64, device=self.device)
+        data = checksum(list(batch.values())) if self.shared else 0
+        mine = torch.tensor([count, digest, int(bool(guard)), data], dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         with self.idle.window("agree_on_batch"):
             dist.all_gather(gathered, mine, group=self.redistribution)
@@ -148,6 +168,12 @@ class BurstRuntime:
                 "ranks called the planned forward with different per-sample shapes, dtypes or arguments in "
                 "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
                 f"same per-sample shape (this rank: {signature})"
+            )
+        if self.shared and len({(row[0], row[3]) for row in rows}) > 1:
+            raise ValueError(
+                "shared_batch=True needs every rank to read the same global batch, but the ranks' batches "
+                f"differ (samples per rank: {[row[0] for row in rows]}); give every rank the same data "
+                "in the same order (the strategy's sampler does; a custom sampler must too)"
             )
         if samples != self._captured_samples:
             raise ValueError(
@@ -162,7 +188,8 @@ class BurstRuntime:
         )
         if key not in self._meta:
             self._meta[key] = self._propagate_meta(batch, local)
-        return tuple(row[0] for row in rows), self._meta[key]
+        counts = shares(count, self.world_size) if self.shared else tuple(row[0] for row in rows)
+        return counts, self._meta[key]
 
     def _propagate_meta(self, batch: dict[str, torch.Tensor], local: dict[str, Any]) -> dict[str, ValueMeta]:
         """Per-sample structure of every value under the current autocast state (which decides
@@ -193,22 +220,39 @@ class BurstRuntime:
         stage = self.schedule.stages[action.number]
         if self.rank >= stage.width:
             return
-        samples = step.layout(stage.width)[self.rank]
-        values = {value: self._stage_input(step, value, stage.width) for value in stage.inputs}
-        for layer in stage.layers:
-            values[layer] = self.captured.run_layer(layer, values, samples, step.local)
+        samples = step.layout(stage.placement).samples(self.rank)
+        values = {value: self._stage_input(step, value, stage.placement) for value in stage.inputs}
+        if stage.placement.spatial == 1:
+            for layer in stage.layers:
+                values[layer] = self.captured.run_layer(layer, values, samples, step.local)
+        else:
+            self._run_split(step, stage, values, samples)
         produced = {name: values[name] for name in stage.outputs}
         step.outputs[stage.index] = produced
         for name, value in produced.items():
-            step.values[(name, stage.width)] = value
+            step.values[(name, stage.placement)] = value
 
-    def _stage_input(self, step: _Step, value: str, width: int) -> Any:
+    def _run_split(self, step: _Step, stage: Stage, values: dict[str, Any], samples: int) -> None:
+        """A stage's layers on this rank's rows of its sample group's samples."""
+        ranks, index = step.layout(stage.placement).part(self.rank)
+        part = SpatialPart(ranks, index, self.spatial_groups.get(ranks), self.redistribution)
+        sizes = {}
+        for value in stage.inputs:
+            nodes = self.captured.code[value].outputs if value in self.captured.code else (value,)
+            sizes.update({node: leaf.shape[ROWS - 1] for node, leaf in zip(nodes, step.meta[value].leaves)})
+        for layer in stage.layers:
+            values[layer], split = run_layer_split(
+                self.captured, layer, values, samples, step.local, part, sizes
+            )
+            sizes.update(split)
+
+    def _stage_input(self, step: _Step, value: str, placement: Placement) -> Any:
         """A value as a stage reads it: detached leaves that collect its gradient, cloned so that
         in-place layers cannot touch the leaves another stage reads."""
-        current = step.values[(value, width)]
+        current = step.values[(value, placement)]
         if not step.training or (value in step.input_grads and not step.input_grads[value]):
             return current
-        key = (value, width)
+        key = (value, placement)
         if key not in step.leaves:
             step.leaves[key] = [
                 t.detach().requires_grad_(t.is_floating_point()) for t in pytree.tree_leaves(current)
@@ -218,7 +262,7 @@ class BurstRuntime:
 
     def _send(self, step: _Step, action: Action) -> None:
         src, dst = step.layout(action.src), step.layout(action.dst)
-        if src[self.rank] == 0 and dst[self.rank] == 0:
+        if src.samples(self.rank) == 0 and dst.samples(self.rank) == 0:
             return
         meta = step.meta[action.value]
         local = step.values.get((action.value, action.src))
@@ -232,8 +276,8 @@ class BurstRuntime:
         self,
         meta: ValueMeta,
         flat: Sequence[torch.Tensor | None] | None,
-        src: tuple[int, ...],
-        dst: tuple[int, ...],
+        src: Layout,
+        dst: Layout,
         which: Sequence[bool],
     ) -> list[Any] | None:
         """Redistribute the selected leaves of a value; unselected ones come back as None."""
@@ -257,14 +301,40 @@ class BurstRuntime:
                 group=self.redistribution,
             )
             moved.append(rows_view(result, leaf) if result is not None else None)
-        return moved if dst[self.rank] > 0 else None
+        return moved if dst.samples(self.rank) > 0 else None
 
     def _outputs(self, step: _Step) -> Any:
         names = self.captured.graph.outputs
-        results = {name: step.values[(name, self.world_size)] for name in names}
+        results = {name: self._held(step, name) for name in names}
         if step.training:
             results = self._attach_backward(step, list(names), results)
-        return self.captured.forward_outputs(results, step.counts[self.rank], step.local)
+        if not self.shared:
+            return self.captured.forward_outputs(results, step.counts[self.rank], step.local)
+        whole = {name: self._gather(step, name, value) for name, value in results.items()}
+        return self.captured.forward_outputs(whole, sum(step.counts), step.local)
+
+    def _gather(self, step: _Step, name: str, value: Any) -> Any:
+        """The whole shared batch of a value, from every rank's share."""
+        flat, spec = pytree.tree_flatten(value)
+        leaves = iter(step.meta[name].leaves)
+        gathered = [
+            gather_batch(t, tuple(c * leaf.rows for c in step.counts), self.rank, self.redistribution)
+            if isinstance(t, torch.Tensor) and (leaf := next(leaves))
+            else t
+            for t in flat
+        ]
+        return pytree.tree_unflatten(gathered, spec)
+
+    def _held(self, step: _Step, name: str) -> Any:
+        """A value at the full width; a rank holding no samples gets empty tensors."""
+        if (name, self.home) not in step.values:
+            meta = step.meta[name]
+            empty = [
+                torch.empty(leaf.tensor_shape(0), dtype=leaf.dtype, device=self.device)
+                for leaf in meta.leaves
+            ]
+            step.values[(name, self.home)] = pytree.tree_unflatten(empty, meta.spec)
+        return step.values[(name, self.home)]
 
     def _attach_backward(self, step: _Step, names: list[str], results: dict[str, Any]) -> dict[str, Any]:
         """Route every output through one autograd node whose backward runs the schedule."""
@@ -281,7 +351,7 @@ class BurstRuntime:
         inputs = [name for name, wanted in step.input_grads.items() if wanted]
         anchor = torch.empty(0, requires_grad=True, device=self.device)
         routed = _RunBackward.apply(
-            self, step, slots, inputs, anchor, *(step.values[(n, self.world_size)] for n in inputs), *tensors
+            self, step, slots, inputs, anchor, *(step.values[(n, self.home)] for n in inputs), *tensors
         )
         for (name, i), t in zip(slots, routed):
             flats[name][0][i] = t
@@ -305,7 +375,7 @@ class BurstRuntime:
         ``.grad`` stay as they are."""
         for (name, i), grad in zip(slots, grads):
             if grad is not None:
-                _accumulate(step, (name, self.world_size), i, grad, len(step.meta[name].leaves))
+                _accumulate(step, (name, self.home), i, grad, len(step.meta[name].leaves))
         step.accumulate = accumulate
         self.grad_sync.arm(self._last_pass and accumulate)
         self._last_pass = False
@@ -317,7 +387,7 @@ class BurstRuntime:
             return
         tensors, grads = [], []
         for name, value in step.outputs[stage.index].items():
-            pending = step.grads.pop((name, stage.width), None)
+            pending = step.grads.pop((name, stage.placement), None)
             if pending is None:
                 continue
             for t, g in zip(pytree.tree_leaves(value), pending):
@@ -327,7 +397,7 @@ class BurstRuntime:
         leaves = [
             (value, i, leaf)
             for value in stage.inputs
-            for i, leaf in enumerate(step.leaves.get((value, stage.width), ()))
+            for i, leaf in enumerate(step.leaves.get((value, stage.placement), ()))
         ]
         if tensors and step.accumulate:
             with self.grad_sync.in_stage():
@@ -341,25 +411,25 @@ class BurstRuntime:
             found = [None] * len(leaves)
         for (value, i, leaf), grad in zip(leaves, found):
             if grad is not None:
-                _accumulate(step, (value, stage.width), i, grad, len(step.meta[value].leaves))
+                _accumulate(step, (value, stage.placement), i, grad, len(step.meta[value].leaves))
             leaf.grad = None
 
     def _send_grad(self, step: _Step, action: Action) -> None:
         if action.value in step.input_grads and not step.input_grads[action.value]:
             return
         src, dst = step.layout(action.dst), step.layout(action.src)
-        if src[self.rank] == 0 and dst[self.rank] == 0:
+        if src.samples(self.rank) == 0 and dst.samples(self.rank) == 0:
             return
         meta = step.meta[action.value]
         floating = [leaf.dtype.is_floating_point for leaf in meta.leaves]
         pending = step.grads.pop((action.value, action.dst), None)
         flat: list[torch.Tensor | None] | None = None
-        if src[self.rank] > 0:
+        if src.samples(self.rank) > 0:
             flat = [
                 (
                     g
                     if g is not None
-                    else torch.zeros(leaf.tensor_shape(src[self.rank]), dtype=leaf.dtype, device=self.device)
+                    else torch.zeros(_held_shape(leaf, src, self.rank), dtype=leaf.dtype, device=self.device)
                 )
                 if floating[i]
                 else None
@@ -378,12 +448,21 @@ class BurstRuntime:
         """End of the backward schedule; gradients are synchronized when the step asks for it."""
 
     def input_grad(self, step: _Step, name: str) -> torch.Tensor | None:
-        pending = step.grads.pop((name, self.world_size), None)
+        pending = step.grads.pop((name, self.home), None)
         return pending[0] if pending else None
 
     def close(self) -> None:
         """Detach from the module: remove gradient hooks."""
         self.grad_sync.close()
+
+
+def _held_shape(leaf: LeafMeta, layout: Layout, rank: int) -> tuple[int, ...]:
+    """Shape of what `rank` holds of a leaf under `layout` (its rows only, when rows are split)."""
+    shape = leaf.tensor_shape(layout.samples(rank))
+    if layout.spatial == 1:
+        return shape
+    rows = layout.block(rank, leaf.shape[ROWS - 1]).rows
+    return (*shape[:ROWS], rows, *shape[ROWS + 1 :])
 
 
 def _accumulate(step: _Step, key: Key, index: int, grad: torch.Tensor, count: int) -> None:

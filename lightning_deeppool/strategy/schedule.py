@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_deeppool.planner.graph import LayerGraph
-from lightning_deeppool.planner.plan import equal_width_runs
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -21,13 +21,17 @@ FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed._DEFAU
 
 @dataclass(frozen=True)
 class Stage:
-    """A run of consecutive layers with one width; `inputs`/`outputs` cross its boundary."""
+    """A run of consecutive layers with one placement; `inputs`/`outputs` cross its boundary."""
 
     index: int
-    width: int
+    placement: Placement
     layers: tuple[str, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+
+    @property
+    def width(self) -> int:
+        return self.placement.width
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class Bucket:
 class Action(NamedTuple):
     """One step of the schedule.
 
-    kind: "forward" / "backward" (of stage `number`), "send" (a value's samples move from width
+    kind: "forward" / "backward" (of stage `number`), "send" (a value's samples move from placement
     `src` to `dst`), "send_grad" (its gradient moves back from `dst` to `src`), "sync" (all-reduce
     bucket `number`), "wait" (finish all syncs).
     """
@@ -50,8 +54,8 @@ class Action(NamedTuple):
     kind: str
     number: int = -1
     value: str = ""
-    src: int = 0
-    dst: int = 0
+    src: Placement = Placement(0)
+    dst: Placement = Placement(0)
 
     def __str__(self) -> str:
         if self.kind in ("send", "send_grad"):
@@ -67,7 +71,7 @@ class Action(NamedTuple):
         if text.startswith(("send:", "send_grad:")):
             kind, value, widths = text.split(":")
             src, dst = widths.split(">")
-            return cls(kind, value=value, src=int(src), dst=int(dst))
+            return cls(kind, value=value, src=Placement.parse(src), dst=Placement.parse(dst))
         for kind in ("forward", "backward", "sync"):
             if text.startswith(kind) and text[len(kind) :].isdigit():
                 return cls(kind, number=int(text[len(kind) :]))
@@ -79,24 +83,31 @@ class Schedule:
     """Everything a rank needs to run one step of a plan."""
 
     world_size: int
-    widths: dict[str, int]
+    placements: dict[str, Placement]
     stages: tuple[Stage, ...]
     buckets: tuple[Bucket, ...]
     forward: tuple[Action, ...]
     backward: tuple[Action, ...]
     param_widths: dict[str, int]
 
-    def width_of(self, value: str) -> int:
-        """Width at which a value is produced (graph inputs: the world size)."""
-        return self.widths.get(value, self.world_size)
-
     def owns(self, rank: int, param: str) -> bool:
         return rank < self.param_widths.get(param, self.world_size)
 
 
-def build_stages(graph: LayerGraph, widths: Mapping[str, int]) -> tuple[Stage, ...]:
-    """Cut the execution order into maximal runs of equal width."""
-    runs = equal_width_runs((layer.name for layer in graph.layers), widths)
+def placed(placements: Mapping[str, Placement | int]) -> dict[str, Placement]:
+    """Placements, a bare width meaning no spatial split."""
+    return {name: p if isinstance(p, Placement) else Placement(p) for name, p in placements.items()}
+
+
+def build_stages(graph: LayerGraph, placements: Mapping[str, Placement | int]) -> tuple[Stage, ...]:
+    """Cut the execution order into maximal runs of equal placement."""
+    placements = placed(placements)
+    runs: list[list[str]] = []
+    for layer in graph.layers:
+        if runs and placements[runs[-1][0]] == placements[layer.name]:
+            runs[-1].append(layer.name)
+        else:
+            runs.append([layer.name])
     stage_of = {name: i for i, run in enumerate(runs) for name in run}
     graph_outputs = set(graph.outputs)
     stages = []
@@ -111,29 +122,30 @@ def build_stages(graph: LayerGraph, widths: Mapping[str, int]) -> tuple[Stage, .
             for name in run
             if name in graph_outputs or any(stage_of[c] != i for c in graph.consumers(name))
         ]
-        stages.append(Stage(i, widths[run[0]], tuple(run), tuple(inputs), tuple(outputs)))
+        stages.append(Stage(i, placements[run[0]], tuple(run), tuple(inputs), tuple(outputs)))
     return tuple(stages)
 
 
 def lower_forward(graph: LayerGraph, stages: Sequence[Stage], world_size: int) -> list[Action]:
-    """Stage computations with a `send` before each first use of a value at another width."""
-    widths = {name: stage.width for stage in stages for name in stage.layers}
-    available = {(name, world_size) for name in (i.name for i in graph.inputs)}
+    """Stage computations with a `send` before each first use of a value at another placement."""
+    home = Placement(world_size)
+    placements = {name: stage.placement for stage in stages for name in stage.layers}
+    available = {(name, home) for name in (i.name for i in graph.inputs)}
     actions: list[Action] = []
 
-    def need(value: str, width: int) -> None:
-        source = widths.get(value, world_size)
+    def need(value: str, placement: Placement) -> None:
+        source = placements.get(value, home)
         available.add((value, source))
-        if (value, width) not in available:
-            actions.append(Action("send", value=value, src=source, dst=width))
-            available.add((value, width))
+        if (value, placement) not in available:
+            actions.append(Action("send", value=value, src=source, dst=placement))
+            available.add((value, placement))
 
     for stage in stages:
         for value in stage.inputs:
-            need(value, stage.width)
+            need(value, stage.placement)
         actions.append(Action("forward", stage.index))
     for value in graph.outputs:
-        need(value, world_size)
+        need(value, home)
     return actions
 
 
@@ -147,10 +159,10 @@ def lower_backward(
     """Reverse of `forward`: each `send` becomes a `send_grad` placed after the backward of the last
     stage (in reverse order) that read the value at that width; buckets sync once ready. Gradients of
     graph inputs move back only in steps whose inputs require grad (the runtime skips them otherwise)."""
-    last_reader: dict[tuple[str, int], int] = {}
+    last_reader: dict[tuple[str, Placement], int] = {}
     for stage in stages:
         for value in stage.inputs:
-            last_reader.setdefault((value, stage.width), stage.index)
+            last_reader.setdefault((value, stage.placement), stage.index)
     grads_after: dict[int, list[Action]] = {}
     output_grads: list[Action] = []
     for action in forward:
@@ -237,24 +249,34 @@ def param_owner_widths(
 
 def build_schedule(
     graph: LayerGraph,
-    widths: Mapping[str, int],
+    placements: Mapping[str, Placement | int],
     layer_params: Mapping[str, Sequence[str]],
     param_bytes: Mapping[str, int],
     world_size: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Schedule:
-    """Lower a width per layer into the action lists every rank runs."""
-    stages = build_stages(graph, widths)
+    """Lower a placement (or a width) per layer into the action lists every rank runs."""
+    stages = build_stages(graph, placements)
     forward = lower_forward(graph, stages, world_size)
-    param_widths = param_owner_widths(widths, layer_params)
+    param_widths = param_owner_widths({name: p.width for name, p in placed(placements).items()}, layer_params)
     buckets, ready_after = plan_buckets(stages, layer_params, param_bytes, param_widths, bucket_bytes)
     backward = lower_backward(graph, stages, forward, buckets, ready_after)
     return Schedule(
         world_size=world_size,
-        widths=dict(widths),
+        placements=placed(placements),
         stages=stages,
         buckets=tuple(buckets),
         forward=tuple(forward),
         backward=tuple(backward),
         param_widths=param_widths,
     )
+
+
+def spatial_parts(schedule: Schedule) -> list[tuple[int, ...]]:
+    """The ranks of every sample group of the schedule's spatial placements, in part order."""
+    return [
+        tuple(range(group * p.spatial, (group + 1) * p.spatial))
+        for p in dict.fromkeys(stage.placement for stage in schedule.stages)
+        if p.spatial > 1
+        for group in range(p.groups)
+    ]

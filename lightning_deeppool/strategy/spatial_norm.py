@@ -4,10 +4,10 @@ normalizes with the statistics one device would compute over the whole samples."
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce
 from torch.nn import functional as F
 
 
@@ -35,9 +35,9 @@ def split_batch_norm(
     shape = [1, -1, *([1] * (local.dim() - 2))]
     # Values per channel over every part: known from the shapes, so no collective counts them.
     total = float(size * math.prod(n for i, n in enumerate(local.shape) if i not in (1, dim)))
-    mean = all_reduce(local.sum(dims), group=group) / total
+    mean = _Sum.apply(local.sum(dims), group) / total
     centered = local - mean.view(shape)
-    var = all_reduce(centered.square().sum(dims), group=group) / total
+    var = _Sum.apply(centered.square().sum(dims), group) / total
     out = centered * torch.rsqrt(var + eps).view(shape)
     if weight is not None:
         out = out * weight.view(shape)
@@ -49,3 +49,20 @@ def split_batch_norm(
             unbiased = var * (total / max(total - 1.0, 1.0))
             running_var.lerp_(unbiased.to(running_var.dtype), momentum)
     return out
+
+
+class _Sum(torch.autograd.Function):
+    """Sum over the group's ranks; its gradient is the sum of theirs (every rank used the sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None

@@ -1,0 +1,65 @@
+"""A shared batch (`DeepPoolStrategy(shared_batch=True)`): every rank reads the same global batch,
+keeps its balanced share of the samples for the plan, and gets the whole batch's outputs back, so
+each rank computes one device's loss. This is how a batch smaller than the device count trains."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_deeppool.planner.layout import balanced, offsets
+
+
+def shares(total: int, world_size: int) -> tuple[int, ...]:
+    """Samples each rank keeps of a shared batch of `total`: earlier ranks take the remainder, ranks
+    past the batch keep none."""
+    return balanced(total, world_size, world_size)
+
+
+def keep_share(tensor: torch.Tensor, counts: tuple[int, ...], rank: int) -> torch.Tensor:
+    """This rank's samples (dimension 0) of the shared batch."""
+    return tensor.narrow(0, offsets(counts)[rank], counts[rank])
+
+
+def checksum(tensors: list[torch.Tensor]) -> int:
+    """A 63-bit summary of a batch's values, equal on ranks that read the same batch."""
+    total = sum(float(t.detach().double().sum()) for t in tensors)
+    return struct.unpack("<q", struct.pack("<d", total))[0] >> 1
+
+
+def gather_batch(
+    local: torch.Tensor, rows: tuple[int, ...], rank: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Every rank's `rows[r]` rows of dimension 0, concatenated in rank order, on every rank.
+    Differentiable: each rank's gradient is the sum of every rank's gradient for its rows (every rank
+    computed its loss from the whole batch)."""
+    if local.is_floating_point() and local.requires_grad:
+        return _Gather.apply(local, rows, rank, group)
+    return _gather(local, rows, group)
+
+
+def _gather(local: torch.Tensor, rows: tuple[int, ...], group: dist.ProcessGroup | None) -> torch.Tensor:
+    most = max(rows)
+    padded = local.new_zeros((most, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, rows: tuple[int, ...], rank: int, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
+        ctx.rows, ctx.rank, ctx.group = rows, rank, group
+        return _gather(local.detach(), rows, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total.narrow(0, offsets(ctx.rows)[ctx.rank], ctx.rows[ctx.rank]), None, None, None

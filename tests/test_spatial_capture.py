@@ -1,0 +1,45 @@
+"""Capture marks the layers that can split samples by height (`Layer.height`) and what their halos
+cost (`Layer.halo_bytes`), from their operations."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_deeppool.capture import capture_graph
+
+from models import TALL, SpatialBody
+
+
+def _layers(net: nn.Module, x: torch.Tensor, **options: object) -> dict[str, tuple[int, int]]:
+    captured = capture_graph(net, (x,), **options)  # type: ignore[arg-type]
+    return {layer.name: (layer.height, layer.halo_bytes) for layer in captured.graph.layers}
+
+
+def test_spatially_local_layers_get_their_fewest_rows_and_halo_bytes() -> None:
+    layers = _layers(SpatialBody(), torch.randn(2, 3, *TALL))
+    height, width = TALL
+    # stem: a 3x3 convolution reads one row above and one below: 2 rows of 3 channels.
+    assert layers["stem"] == (height, 2 * 3 * width * 4)
+    assert layers["norm"] == (height, 0)  # BatchNorm and ReLU read no halo
+    # down: a stride-2 3x3 convolution (one halo row of 6 channels), then 2x2 pooling (none); its
+    # fewest rows are the pooled output's.
+    assert layers["down"] == (height // 4, 1 * 6 * width * 4)
+    assert layers["block"] == (height // 4, 2 * 6 * (width // 4) * 4)
+
+
+def test_layers_with_operations_that_mix_rows_cannot_split() -> None:
+    layers = _layers(SpatialBody(), torch.randn(2, 3, *TALL))
+    assert layers["mix"] == (0, 0)  # flatten
+    assert layers["head"] == (0, 0)  # linear on flat features
+
+
+def test_a_one_sample_example_is_captured_by_export_and_splits() -> None:
+    layers = _layers(SpatialBody(), torch.randn(1, 3, *TALL))
+    assert layers["stem"][0] == TALL[0]
+
+
+def test_layers_of_a_recorded_forward_do_not_split() -> None:
+    net = SpatialBody()
+    layers = _layers(net, torch.randn(2, 3, *TALL), leaf_modules=["head"])
+    assert all(value == (0, 0) for value in layers.values())
