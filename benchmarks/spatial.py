@@ -118,9 +118,10 @@ def run_one(config: str, batch: int, steps: int, out: Path) -> None:
 def _launch(config: str, batch: int, steps: int, exact_memory: bool) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result"
-        env = {**os.environ, **(EXACT_MALLOC if exact_memory else FIXED_MALLOC)}
+        # One thread per rank, one device's worth (Lightning would give a lone process every core).
+        env = {**os.environ, **(EXACT_MALLOC if exact_memory else FIXED_MALLOC), "OMP_NUM_THREADS": "1"}
         command = [sys.executable, __file__, "--run", config, "--batch", str(batch)]
-        subprocess.run([*command, "--steps", str(steps), "--out", str(out)], check=True, env=env)
+        subprocess.run([*command, "--steps", str(steps), "--out", str(out)], check=True, env=env, cwd=folder)
         return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("result.rank*.json"))]
 
 

@@ -10,7 +10,8 @@ from torch.nn import functional as F
 
 from lightning_deeppool.planner.layout import Transfer
 from lightning_deeppool.planner.spatial import Slab, Window, halo_moves, row_parts, slab
-from lightning_deeppool.strategy.halo import gather_slab
+from lightning_deeppool.strategy.halo import Kernel, windowed
+from lightning_deeppool.strategy.spatial_layer import Convolution, MaxPooling
 from lightning_deeppool.strategy.spatial_norm import split_batch_norm
 
 from distributed import run_distributed
@@ -74,9 +75,9 @@ def test_an_invalid_window_is_refused() -> None:
 def _split_conv(
     rank: int, window: Window, height: int, groups: int, pool: bool
 ) -> tuple[float, float, float]:
-    """Each rank holds its rows of the input's height; it gathers its slab, convolves (or max-pools)
-    it, and backpropagates a fixed weighting of its output rows. Returns the largest differences
-    from one device: output rows, input-gradient rows and the summed weight gradient."""
+    """Each rank holds its rows of the input's height; it convolves (or max-pools) them with the halo
+    from its neighbours, and backpropagates a fixed weighting of its output rows. Returns the largest
+    differences from one device: output rows, input-gradient rows and the summed weight gradient."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     x = torch.randn(2, 4, height, 5, dtype=torch.float64, requires_grad=True)
@@ -88,6 +89,12 @@ def _split_conv(
             return F.max_pool2d(t, (window.kernel, 3), padding=(pad, 1), **hw)  # type: ignore[arg-type]
         return F.conv2d(t, weight, padding=(pad, 1), groups=groups, **hw)  # type: ignore[arg-type]
 
+    kernel: Kernel
+    if pool:
+        kernel = MaxPooling(window, [window.kernel, 3], [window.stride, 1], [0, 1], [window.dilation, 1])
+    else:
+        kernel = Convolution(window, [window.stride, 1], [0, 1], [window.dilation, 1], groups)
+
     full = op(x, window.padding)
     weighting = torch.randn(full.shape, dtype=torch.float64)
     (full * weighting).sum().backward()
@@ -98,9 +105,8 @@ def _split_conv(
     rows, out_rows = row_parts(height, world), row_parts(window.output_size(height), world)
     start, out_start = sum(rows[:rank]), sum(out_rows[:rank])
     local = x.detach()[:, :, start : start + rows[rank]].requires_grad_()
-    fill = float("-inf") if pool else 0.0
-    part = gather_slab(local, dim=2, size=height, window=window, ranks=range(world), index=rank, fill=fill)
-    out = op(part, 0)
+    params = () if pool else (weight, None)
+    out = windowed(local, kernel, params, dim=2, size=height, ranks=range(world), index=rank)
     expected = full.detach()[:, :, out_start : out_start + out_rows[rank]]
     (out * weighting[:, :, out_start : out_start + out_rows[rank]]).sum().backward()
     grad_w = weight.grad if weight.grad is not None else torch.zeros_like(weight)
@@ -159,7 +165,17 @@ def _split_batch_norm(rank: int, height: int) -> tuple[float, float, float, floa
     local = x.detach()[:, :, start : start + rows[rank]].requires_grad_()
     mine = (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
     out = split_batch_norm(
-        local, *mine, weight, bias, training=True, momentum=0.1, eps=1e-5, dim=2, size=height
+        local,
+        *mine,
+        weight,
+        bias,
+        training=True,
+        momentum=0.1,
+        eps=1e-5,
+        dim=2,
+        size=height,
+        ranks=range(world),
+        index=rank,
     )
     (out * weighting[:, :, start : start + rows[rank]]).sum().backward()
     params = torch.cat([weight.grad, bias.grad])  # type: ignore[list-item]

@@ -16,7 +16,7 @@ from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import build_schedule, spatial_parts
+from lightning_deeppool.strategy.schedule import build_schedule
 
 from distributed import run_distributed
 from models import TALL, SpatialBody
@@ -68,7 +68,7 @@ def _errors(rank: int, world: int, samples: int, pattern: str, shared: bool = Fa
     params = dict(captured.module.named_parameters())
     sizes = {k: v.numel() * v.element_size() for k, v in params.items()}
     schedule = build_schedule(captured.graph, placements, captured.layer_params, sizes, world)
-    groups = PlanGroups(schedule.param_widths.values(), world, spatial_parts(schedule))
+    groups = PlanGroups(schedule.param_widths.values(), world)
     buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
     local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
     grad_sync = GradSync(params, groups, world, buckets, local=local)
@@ -78,7 +78,6 @@ def _errors(rank: int, world: int, samples: int, pattern: str, shared: bool = Fa
         rank=rank,
         device=torch.device("cpu"),
         grad_sync=grad_sync,
-        spatial_groups=groups.spatial,
         shared=shared,
     )
     planned = x[mine].clone().requires_grad_(not shared)

@@ -66,9 +66,9 @@ def window(target: Any, a: Mapping[str, Any], kernel: int | None = None) -> Wind
     return Window(size[0], stride[0], pair(a["padding"])[0], pair(a["dilation"])[0])
 
 
-def pair(value: Any) -> list[int]:
-    """An ``int[2]`` argument as two ints (ATen accepts one for both)."""
-    return [value, value] if isinstance(value, int) else list(value) * (2 // len(value))
+def pair(value: Any, dims: int = 2) -> list[int]:
+    """An ``int[dims]`` argument as `dims` ints (ATen accepts one for all)."""
+    return [value] * dims if isinstance(value, int) else list(value) * (dims // len(value))
 
 
 def refusal(node: fx.Node, a: Mapping[str, Any]) -> str | None:

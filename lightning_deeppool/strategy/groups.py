@@ -1,5 +1,4 @@
-"""Process groups a plan needs: one per owner width (ranks 0..width-1) and one per sample group of a
-spatial placement (its parts reduce BatchNorm statistics together), built on every rank."""
+"""Process groups a plan needs: one per owner width, ranks 0..width-1, built on every rank."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ class PlanGroups(Mapping[int, dist.ProcessGroup]):
     on a high-priority copy of the world group; on gloo they use the default group.
     """
 
-    def __init__(
-        self, widths: Iterable[int], world_size: int, spatial: Iterable[tuple[int, ...]] = ()
-    ) -> None:
+    def __init__(self, widths: Iterable[int], world_size: int) -> None:
         self._groups: dict[int, dist.ProcessGroup] = {}
         options = _high_priority_options()
         for width in sorted({w for w in widths if w > 1}):
@@ -33,9 +30,6 @@ class PlanGroups(Mapping[int, dist.ProcessGroup]):
         self.redistribution: dist.ProcessGroup | None = None
         if options is not None:
             self.redistribution = dist.new_group(ranks=list(range(world_size)), pg_options=options)
-        self.spatial: dict[tuple[int, ...], dist.ProcessGroup] = {
-            ranks: dist.new_group(ranks=list(ranks), pg_options=options) for ranks in sorted(set(spatial))
-        }
 
     def __getitem__(self, width: int) -> dist.ProcessGroup:
         try:
@@ -58,10 +52,6 @@ class PlanGroups(Mapping[int, dist.ProcessGroup]):
         if self.redistribution is not None and dist.is_initialized():
             dist.destroy_process_group(self.redistribution)
         self.redistribution = None
-        for ranks, group in self.spatial.items():
-            if dist.get_rank() in ranks and dist.is_initialized():
-                dist.destroy_process_group(group)
-        self.spatial.clear()
 
 
 def _high_priority_options() -> object | None:

@@ -1,119 +1,216 @@
-"""Halo exchange: a part of a spatially split sample gathers the input slab its output rows need
-(`planner.spatial.slab`) from its own rows and its neighbours', with point-to-point messages. The
-backward sends each halo row's gradient back to the part that holds the row, which adds it. (A
-`Transfer` here moves `samples` rows of one sample, not samples.)"""
+"""Halo exchange: a spatially local operation (a convolution, a pooling) on one part of a sample split
+by rows. The part posts the rows its neighbours need and receives theirs (`planner.spatial.halo_moves`),
+copies its own rows into the slab its output rows read while the messages are in flight, then runs the
+operation once on the whole slab. The slab is not kept for backward: it is rebuilt from the part's
+rows and the small halo, so a part stores no more than one device would for its rows. The backward
+sends each halo row's gradient back to the part that holds the row, which adds it. (A `Transfer` here
+moves `samples` rows of one sample, not samples.)"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.planner.spatial import Window, halo_moves, part_rows, slab
-from lightning_deeppool.strategy.redistribute import post_and_wait
+from lightning_deeppool.planner.layout import Transfer
+from lightning_deeppool.planner.spatial import Slab, Window, halo_moves, part_rows, slab
+
+Params = tuple[torch.Tensor | None, ...]
 
 
-def gather_slab(
+class Kernel(Protocol):
+    """An operation with `window` along the split dimension, run on slabs (unpadded along it;
+    padding rows hold `fill`), with its own backward."""
+
+    @property
+    def window(self) -> Window: ...
+
+    @property
+    def fill(self) -> float: ...
+
+    def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
+        """The output and what `backward` needs besides the slab."""
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        slab: Callable[[], torch.Tensor],
+        params: Params,
+        saved: Any,
+        wanted: Sequence[bool],
+    ) -> tuple[torch.Tensor, Params]:
+        """Gradients of the slab and of the parameters (`wanted` of them; `slab()` rebuilds it)."""
+
+
+class _Geometry(NamedTuple):
+    dim: int
+    start: int  # this part's rows [start, stop)
+    stop: int
+    need: Slab  # the rows its output rows read
+    moves: list[Transfer]
+    ranks: tuple[int, ...]
+    part: int  # this part's index
+    group: dist.ProcessGroup | None
+
+    @property
+    def incoming(self) -> list[Transfer]:
+        return sorted((m for m in self.moves if m.dst == self.part), key=lambda m: m.start)
+
+    @property
+    def outgoing(self) -> list[Transfer]:
+        return [m for m in self.moves if m.src == self.part]
+
+    def own(self) -> tuple[int, int]:
+        """The rows of its own the part's slab holds."""
+        return max(self.need.start, self.start), min(self.need.stop, self.stop)
+
+
+def windowed(
     local: torch.Tensor,
+    kernel: Kernel,
+    params: Params,
     *,
     dim: int,
     size: int,
-    window: Window,
     ranks: Sequence[int],
     index: int,
-    fill: float = 0.0,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """The input slab for the output rows part `index` holds along `dim`, from `local` (this part's
-    rows of a dimension of `size` rows split over the global `ranks`) and the neighbours' rows;
-    padding rows hold `fill` (0 for convolutions, ``-inf`` for max pooling). Every part of `ranks`
-    must call it with the same arguments but `local` and `index`. Differentiable."""
-    return _GatherSlab.apply(local, dim, size, window, tuple(ranks), index, fill, group)
+    """`kernel` over the whole sample, for the output rows part `index` holds along `dim`. `local`
+    holds this part's rows of a dimension of `size` rows split over the global `ranks`. Every part of
+    `ranks` must call it with the same arguments but `local` and `index`. Differentiable in `local`
+    and `params`."""
+    parts = len(ranks)
+    start, stop = part_rows(size, parts, index)
+    need = slab(kernel.window, size, parts, index)
+    moves = halo_moves(kernel.window, size, parts)
+    geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, group)
+    return _Windowed.apply(local, kernel, geometry, *params)
 
 
-class _GatherSlab(torch.autograd.Function):
+class _Windowed(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        local: torch.Tensor,
-        dim: int,
-        size: int,
-        window: Window,
-        ranks: tuple[int, ...],
-        index: int,
-        fill: float,
-        group: dist.ProcessGroup | None,
+        ctx: Any, local: torch.Tensor, kernel: Kernel, geometry: _Geometry, *params: torch.Tensor | None
     ) -> torch.Tensor:
-        moves = halo_moves(window, size, len(ranks))
-        start, stop = part_rows(size, len(ranks), index)
-        need = slab(window, size, len(ranks), index)
-        ctx.geometry = (dim, moves, start, stop, need, ranks, index, group)
-        incoming = sorted((m for m in moves if m.dst == index), key=lambda m: m.start)
-        outgoing = {m.dst: local.narrow(dim, m.start - start, m.samples) for m in moves if m.src == index}
-        received = _exchange(outgoing, {m.src: m.samples for m in incoming}, local, dim, ranks, group)
-        own_lo, own_hi = max(need.start, start), min(need.stop, stop)
-        own = [local.narrow(dim, own_lo - start, own_hi - own_lo)] if own_hi > own_lo else []
-        return torch.cat(
-            [
-                _rows(local, dim, need.before, fill),
-                *(received[m.src] for m in incoming if m.start < start),
-                *own,
-                *(received[m.src] for m in incoming if m.start > start),
-                _rows(local, dim, need.after, fill),
-            ],
-            dim,
-        )
+        dim = geometry.dim
+        received = [local.new_empty(_shape(local, dim, m.samples)) for m in geometry.incoming]
+        outgoing = {m.dst: local.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
+        incoming = {m.src: t for m, t in zip(geometry.incoming, received)}
+        pending = _post(outgoing, incoming, geometry.ranks, geometry.group)
+        # Copying the own rows overlaps the messages.
+        assembled = _assemble(local, received, geometry, kernel.fill, pending)
+        out, saved = kernel.forward(assembled, params)
+        ctx.kernel, ctx.geometry, ctx.saved, ctx.dtype = kernel, geometry, saved, out.dtype
+        ctx.save_for_backward(local, *received, *(p for p in params if p is not None))
+        ctx.present = [p is not None for p in params]
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        dim, moves, start, stop, need, ranks, index, group = ctx.geometry
-        grad_local = grad.new_zeros(_shape(grad, dim, stop - start))
-        # The slab's rows, by sample row: each received row's gradient goes back to its sender.
-        grad_rows = grad.narrow(dim, need.before, need.stop - need.start) if need.rows else grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        geometry: _Geometry = ctx.geometry
+        local, *rest = ctx.saved_tensors
+        received, given = rest[: len(geometry.incoming)], iter(rest[len(geometry.incoming) :])
+        params = tuple(next(given) if present else None for present in ctx.present)
+        grad_slab, grad_params = ctx.kernel.backward(
+            grad,
+            lambda: _assemble(local, received, geometry, ctx.kernel.fill).to(ctx.dtype),
+            params,
+            ctx.saved,
+            ctx.needs_input_grad[3:],
+        )
+        grad_slab = grad_slab.to(local.dtype)
+        dim, need = geometry.dim, geometry.need
         returned = {
-            m.src: grad_rows.narrow(dim, m.start - need.start, m.samples) for m in moves if m.dst == index
+            m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.samples)
+            for m in geometry.incoming
         }
-        own_lo, own_hi = max(need.start, start), min(need.stop, stop)
-        if own_hi > own_lo:
-            grad_local.narrow(dim, own_lo - start, own_hi - own_lo).add_(
-                grad_rows.narrow(dim, own_lo - need.start, own_hi - own_lo)
-            )
-        sent = [m for m in moves if m.src == index]
-        received = _exchange(returned, {m.dst: m.samples for m in sent}, grad_local, dim, ranks, group)
-        for move in sent:
-            grad_local.narrow(dim, move.start - start, move.samples).add_(received[move.dst])
-        return grad_local, None, None, None, None, None, None, None
+        arriving = {m.dst: local.new_empty(_shape(local, dim, m.samples)) for m in geometry.outgoing}
+        _post(returned, arriving, geometry.ranks, geometry.group).wait()
+        own_lo, own_hi = geometry.own()
+        if own_lo == geometry.start and own_hi == geometry.stop:
+            grad_local = grad_slab.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo)
+        else:  # the slab reads only some of the part's rows: the others get no gradient from it
+            grad_local = torch.zeros_like(local)
+            if own_hi > own_lo:
+                grad_local.narrow(dim, own_lo - geometry.start, own_hi - own_lo).copy_(
+                    grad_slab.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo)
+                )
+        for move in geometry.outgoing:
+            grad_local.narrow(dim, move.start - geometry.start, move.samples).add_(arriving[move.dst])
+        return (grad_local, None, None, *grad_params)
 
 
-def _exchange(
+def _assemble(
+    local: torch.Tensor,
+    received: Sequence[torch.Tensor],
+    geometry: _Geometry,
+    fill: float,
+    pending: _Pending | None = None,
+) -> torch.Tensor:
+    """The slab: padding rows, the halo rows before the own rows, the own rows, the halo rows after,
+    padding rows. With `pending` messages, waits for them after copying the own rows."""
+    dim, need = geometry.dim, geometry.need
+    out = local.new_empty(_shape(local, dim, need.rows))
+    own_lo, own_hi = geometry.own()
+    if own_hi > own_lo:
+        out.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo).copy_(
+            local.narrow(dim, own_lo - geometry.start, own_hi - own_lo)
+        )
+    out.narrow(dim, 0, need.before).fill_(fill)
+    out.narrow(dim, need.rows - need.after, need.after).fill_(fill)
+    if pending is not None:
+        pending.wait()
+    for move, rows in zip(geometry.incoming, received):
+        out.narrow(dim, need.before + move.start - need.start, move.samples).copy_(rows)
+    return out
+
+
+def gather_parts(
+    mine: torch.Tensor, ranks: Sequence[int], index: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Every part's `mine` (same shape everywhere), stacked in part order, by point-to-point messages:
+    for the few small tensors of a spatial group, cheaper than a collective on gloo."""
+    others = {part: torch.empty_like(mine) for part in range(len(ranks)) if part != index}
+    _post(dict.fromkeys(others, mine), others, tuple(ranks), group).wait()
+    return torch.stack([others.get(part, mine) for part in range(len(ranks))])
+
+
+class _Pending(NamedTuple):
+    """Posted messages, and the tensors they read or write (kept alive until they complete)."""
+
+    works: list[dist.Work]
+    ops: list[dist.P2POp]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _post(
     outgoing: dict[int, torch.Tensor],
-    incoming: dict[int, int],
-    like: torch.Tensor,
-    dim: int,
+    incoming: dict[int, torch.Tensor],
     ranks: tuple[int, ...],
     group: dist.ProcessGroup | None,
-) -> dict[int, torch.Tensor]:
-    """Send each `outgoing` tensor to its part and receive `incoming[part]` rows (shaped like `like`
-    elsewhere) from each part, all posted at once in part order; the received tensors by part."""
-    received = {part: like.new_empty(_shape(like, dim, rows)) for part, rows in incoming.items()}
-    ops = sorted(
-        [
-            *(
-                (part, dist.P2POp(dist.isend, t.contiguous(), ranks[part], group))
-                for part, t in outgoing.items()
-            ),
-            *((part, dist.P2POp(dist.irecv, t, ranks[part], group)) for part, t in received.items()),
-        ],
-        key=lambda pair: pair[0],
-    )
-    post_and_wait([op for _, op in ops])
-    return received
-
-
-def _rows(like: torch.Tensor, dim: int, rows: int, fill: float) -> torch.Tensor:
-    return like.new_full(_shape(like, dim, rows), fill)
+) -> _Pending:
+    """Send each `outgoing` tensor to its part and receive each `incoming` buffer from its part, all
+    posted at once in part order."""
+    ops = [
+        op
+        for _, op in sorted(
+            [
+                *(
+                    (part, dist.P2POp(dist.isend, t.detach().contiguous(), ranks[part], group))
+                    for part, t in outgoing.items()
+                ),
+                *((part, dist.P2POp(dist.irecv, t, ranks[part], group)) for part, t in incoming.items()),
+            ],
+            key=lambda pair: pair[0],
+        )
+    ]
+    return _Pending(list(dist.batch_isend_irecv(ops)) if ops else [], ops)
 
 
 def _shape(like: torch.Tensor, dim: int, rows: int) -> tuple[int, ...]:

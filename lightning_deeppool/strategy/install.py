@@ -30,7 +30,7 @@ from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import Schedule, build_schedule, spatial_parts
+from lightning_deeppool.strategy.schedule import Schedule, build_schedule
 
 UNPLANNED = "<unplanned>."
 
@@ -192,9 +192,7 @@ class Installation:
         unplanned = {f"{UNPLANNED}{name}": p for name, p in root.named_parameters() if id(p) not in planned}
         widths = {name: schedule.param_widths.get(name, world_size) for name in params}
         widths.update(dict.fromkeys(unplanned, world_size))
-        groups = PlanGroups(
-            [*schedule.param_widths.values(), world_size], world_size, spatial_parts(schedule)
-        )
+        groups = PlanGroups([*schedule.param_widths.values(), world_size], world_size)
         uses: dict[str, int] = {}
         for used_by_layer in captured.layer_params.values():
             for name in used_by_layer:
@@ -216,7 +214,6 @@ class Installation:
             grad_sync=grad_sync,
             idle=idle,
             redistribution=groups.redistribution,
-            spatial_groups=groups.spatial,
             shared=shared_batch,
         )
         grad_sync.waiting = runtime.idle_window

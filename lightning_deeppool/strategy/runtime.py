@@ -10,7 +10,7 @@ code before the planned module).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +74,6 @@ class BurstRuntime:
         grad_sync: GradSync,
         idle: IdleWindows | None = None,
         redistribution: dist.ProcessGroup | None = None,
-        spatial_groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
         shared: bool = False,
     ) -> None:
         self.captured = captured
@@ -85,7 +84,6 @@ class BurstRuntime:
         self.grad_sync = grad_sync
         self.idle = idle or IdleWindows()
         self.redistribution = redistribution
-        self.spatial_groups = dict(spatial_groups or {})
         self.home = Placement(self.world_size)
         self.shared = shared
         self.last_action: Action | None = None
@@ -235,7 +233,7 @@ class BurstRuntime:
     def _run_split(self, step: _Step, stage: Stage, values: dict[str, Any], samples: int) -> None:
         """A stage's layers on this rank's rows of its sample group's samples."""
         ranks, index = step.layout(stage.placement).part(self.rank)
-        part = SpatialPart(ranks, index, self.spatial_groups.get(ranks), self.redistribution)
+        part = SpatialPart(ranks, index, self.redistribution)
         sizes = {}
         for value in stage.inputs:
             nodes = self.captured.code[value].outputs if value in self.captured.code else (value,)

@@ -270,13 +270,3 @@ def build_schedule(
         backward=tuple(backward),
         param_widths=param_widths,
     )
-
-
-def spatial_parts(schedule: Schedule) -> list[tuple[int, ...]]:
-    """The ranks of every sample group of the schedule's spatial placements, in part order."""
-    return [
-        tuple(range(group * p.spatial, (group + 1) * p.spatial))
-        for p in dict.fromkeys(stage.placement for stage in schedule.stages)
-        if p.spatial > 1
-        for group in range(p.groups)
-    ]

@@ -9,7 +9,7 @@ such a layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,34 +30,35 @@ from lightning_deeppool.capture.spatial import (
     window,
 )
 from lightning_deeppool.planner.spatial import Window, part_rows
-from lightning_deeppool.strategy.halo import gather_slab
+from lightning_deeppool.strategy.halo import Kernel, Params, windowed
 from lightning_deeppool.strategy.spatial_norm import split_batch_norm
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class SpatialPart:
-    """This rank's part of samples split by height over the global `ranks` (in part order):
-    statistics are reduced over `group` (those ranks), halos move over `messages` (the world)."""
+    """This rank's part of samples split by height over the global `ranks` (in part order); halos
+    and statistics move over `messages` (default: the world)."""
 
     ranks: tuple[int, ...]
     index: int
-    group: dist.ProcessGroup | None = None
     messages: dist.ProcessGroup | None = None
 
     def rows(self, size: int) -> tuple[int, int]:
         """The rows ``[start, stop)`` of a dimension of `size` rows this part holds."""
         return part_rows(size, len(self.ranks), self.index)
 
-    def slab(self, value: torch.Tensor, size: int, window: Window, fill: float = 0.0) -> torch.Tensor:
-        """The input slab `window` needs for this part's output rows (`halo.gather_slab`)."""
-        return gather_slab(
+    def windowed(self, value: torch.Tensor, size: int, kernel: Kernel, params: Params) -> torch.Tensor:
+        """`kernel` for this part's output rows (`halo.windowed`)."""
+        return windowed(
             value,
+            kernel,
+            params,
             dim=SPLIT_DIM,
             size=size,
-            window=window,
             ranks=self.ranks,
             index=self.index,
-            fill=fill,
             group=self.messages,
         )
 
@@ -104,19 +105,98 @@ def run_layer_split(
 
 def _convolution(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
     rows = window(CONVOLUTION, a, a["weight"].shape[2])
-    slab = part.slab(a["input"], size, rows)
-    padding = [0, pair(a["padding"])[1]]
-    out = CONVOLUTION(slab, a["weight"], a["bias"], a["stride"], padding, a["dilation"], a["groups"])
-    return out, rows.output_size(size)
+    padding = [0, *pair(a["padding"], a["weight"].dim() - 2)[1:]]
+    kernel = Convolution(rows, list(a["stride"]), padding, list(a["dilation"]), a["groups"])
+    return part.windowed(a["input"], size, kernel, (a["weight"], a["bias"])), rows.output_size(size)
 
 
 def _max_pooling(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
     rows = window(MAX_POOLING, a)
-    slab = part.slab(a["input"], size, rows, fill=float("-inf"))
-    kernel = pair(a["kernel_size"])
-    stride = pair(a["stride"]) if len(a["stride"]) else kernel
-    out = MAX_POOLING(slab, kernel, stride, [0, pair(a["padding"])[1]], a["dilation"], False)
-    return out, rows.output_size(size)
+    kernel_size = pair(a["kernel_size"])
+    stride = pair(a["stride"]) if len(a["stride"]) else kernel_size
+    padding = [0, *pair(a["padding"])[1:]]
+    kernel = MaxPooling(rows, kernel_size, stride, padding, pair(a["dilation"]))
+    return part.windowed(a["input"], size, kernel, ()), rows.output_size(size)
+
+
+@dataclass(frozen=True)
+class Convolution:
+    """A convolution as a `halo.Kernel`: unpadded along the split dimension."""
+
+    window: Window
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    groups: int
+    fill: float = 0.0
+
+    def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
+        weight, bias = params
+        out = aten.convolution(
+            slab, weight, bias, self.stride, self.padding, self.dilation, False, [0], self.groups
+        )
+        return out, None
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        slab: Callable[[], torch.Tensor],
+        params: Params,
+        saved: Any,
+        wanted: Sequence[bool],
+    ) -> tuple[torch.Tensor, Params]:
+        weight, bias = params
+        assert weight is not None
+        grads = aten.convolution_backward(
+            grad,
+            slab(),
+            weight.to(grad.dtype),
+            None if bias is None else [weight.shape[0]],
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            [0],
+            self.groups,
+            [True, wanted[0], wanted[1] and bias is not None],
+        )
+        grad_weight = grads[1].to(weight.dtype) if grads[1] is not None else None
+        grad_bias = grads[2].to(bias.dtype) if bias is not None and grads[2] is not None else None
+        return grads[0], (grad_weight, grad_bias)
+
+
+@dataclass(frozen=True)
+class MaxPooling:
+    """A 2-d max pooling as a `halo.Kernel`: padding rows hold -inf."""
+
+    window: Window
+    kernel_size: list[int]
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    fill: float = float("-inf")
+
+    def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
+        out, indices = aten.max_pool2d_with_indices(
+            slab, self.kernel_size, self.stride, self.padding, self.dilation, False
+        )
+        return out, (indices, slab.shape)
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        slab: Callable[[], torch.Tensor],
+        params: Params,
+        saved: Any,
+        wanted: Sequence[bool],
+    ) -> tuple[torch.Tensor, Params]:
+        indices, shape = saved
+        # The kernel reads only the input's shape: an uninitialized tensor spares rebuilding the slab.
+        shaped = grad.new_empty(shape)
+        grad_slab = aten.max_pool2d_with_indices_backward(
+            grad, shaped, self.kernel_size, self.stride, self.padding, self.dilation, False, indices
+        )
+        return grad_slab, ()
 
 
 def _batch_norm(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
@@ -131,7 +211,9 @@ def _batch_norm(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any
         eps=a["eps"],
         dim=SPLIT_DIM,
         size=size,
-        group=part.group,
+        ranks=part.ranks,
+        index=part.index,
+        group=part.messages,
     )
     return out, size
 
