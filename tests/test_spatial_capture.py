@@ -43,3 +43,11 @@ def test_layers_of_a_recorded_forward_do_not_split() -> None:
     net = SpatialBody()
     layers = _layers(net, torch.randn(2, 3, *TALL), leaf_modules=["head"])
     assert all(value == (0, 0) for value in layers.values())
+
+
+def test_one_and_three_dimensional_layers_split_along_their_first_spatial_dimension() -> None:
+    sequence = nn.Sequential(nn.Conv1d(3, 4, 5, padding=2), nn.BatchNorm1d(4))
+    assert _layers(sequence, torch.randn(2, 3, 33)) == {"_0": (33, 4 * 3 * 4), "_1": (33, 0)}
+    volume = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.MaxPool3d(2, ceil_mode=True))
+    # 9 deep: the ceil-mode pooling keeps a fifth, partial window.
+    assert _layers(volume, torch.randn(2, 3, 9, 4, 3)) == {"_0": (5, 2 * 3 * 4 * 3 * 4)}

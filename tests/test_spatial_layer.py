@@ -1,7 +1,10 @@
 """Captured layers run on parts of spatially split samples give one device's values, gradients and
-BatchNorm statistics (spawned gloo ranks), and operations that are not spatially local are refused."""
+BatchNorm statistics on 2, 3 and 4 spawned gloo ranks (2-d, 1-d and 3-d convolutions, max pooling in
+ceil mode, uneven splits), and operations that are not spatially local are refused."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -34,17 +37,50 @@ def conv_net() -> nn.Module:
         nn.MaxPool2d(2),
         nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
         Residual(8),
-    ).double()
+    )
 
 
-def _layers_split(rank: int, height: int) -> tuple[float, float, float, float]:
-    """Run every layer of the captured net on this rank's rows of the input height. Returns the
-    largest differences from one device: output rows, input-gradient rows, summed parameter
-    gradients, BatchNorm running statistics."""
+def sequence_net() -> nn.Module:
+    """1-d convolutions (a kernel of 5, a stride of 2) and BatchNorm, split along the length."""
+    return nn.Sequential(
+        nn.Conv1d(3, 4, 5, padding=2), nn.ReLU(), nn.Conv1d(4, 4, 3, stride=2, padding=1), nn.BatchNorm1d(4)
+    )
+
+
+def volume_net() -> nn.Module:
+    """A 3-d convolution, BatchNorm and a ceil-mode max pooling, split along the depth."""
+    return nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.BatchNorm3d(4), nn.MaxPool3d(2, ceil_mode=True))
+
+
+def ceil_pooling_net() -> nn.Module:
+    """A max pooling whose last window hangs over the input (ceil mode), with a halo row."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(3, 2, padding=1, ceil_mode=True))
+
+
+# (model, input shape per sample); every split dimension is uneven over 2, 3 and 4 parts.
+MODELS = {
+    "2-d conv net": (conv_net, (3, 18, 6)),
+    "1-d": (sequence_net, (3, 33)),
+    "3-d, ceil mode": (volume_net, (3, 9, 4, 3)),
+    "2-d ceil mode": (ceil_pooling_net, (3, 11, 5)),
+}
+
+
+def _all_split(rank: int) -> dict[str, tuple[float, float, float, float]]:
+    return {name: _layers_split(rank, make, shape) for name, (make, shape) in MODELS.items()}
+
+
+def _layers_split(
+    rank: int, make: Callable[[], nn.Module], shape: tuple[int, ...]
+) -> tuple[float, float, float, float]:
+    """Run every layer of the captured net on this rank's rows of the input's first spatial
+    dimension. Returns the largest differences from one device: output rows, input-gradient rows,
+    summed parameter gradients, BatchNorm running statistics."""
     world = dist.get_world_size()
     torch.manual_seed(0)
-    net = conv_net()
-    x = torch.randn(2, 3, height, 6, dtype=torch.float64, requires_grad=True)
+    net = make().double()
+    x = torch.randn(2, *shape, dtype=torch.float64, requires_grad=True)
+    height = shape[1]
     captured = capture_graph(net, (x.detach(),))
     buffers = {k: v.clone() for k, v in net.state_dict().items()}
     input_name = captured.batch_inputs[0]
@@ -75,14 +111,30 @@ def _layers_split(rank: int, height: int) -> tuple[float, float, float, float]:
         (out - full.detach()[:, :, out_start:out_stop]).abs().max().item(),
         (local.grad - reference_x[:, :, start:stop]).abs().max().item(),  # type: ignore[operator]
         (grads - torch.cat([g.flatten() for g in reference_params.values()])).abs().max().item(),
-        max((net.state_dict()[k] - v).abs().max().item() for k, v in reference_buffers.items()),
+        max(
+            ((net.state_dict()[k] - v).abs().max().item() for k, v in reference_buffers.items()), default=0.0
+        ),
     )
 
 
-@pytest.mark.parametrize(("world", "height"), [(2, 16), (3, 18)])
-def test_a_conv_net_split_by_height_gives_one_devices_values_and_gradients(world: int, height: int) -> None:
-    for differences in run_distributed(_layers_split, world, height):
-        assert max(differences) < 1e-10, differences
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_split_layers_give_one_devices_values_and_gradients(world: int, model: str, split_runs) -> None:
+    for differences in split_runs(world):
+        assert max(differences[model]) < 1e-10, (model, differences[model])
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    """Every model on each number of ranks, one spawn per number (spawning takes the time)."""
+    runs: dict[int, list] = {}
+
+    def run(world: int) -> list:
+        if world not in runs:
+            runs[world] = run_distributed(_all_split, world)
+        return runs[world]
+
+    return run
 
 
 def test_an_operation_that_is_not_spatially_local_is_refused_with_its_name() -> None:

@@ -1,14 +1,16 @@
 """Which layers can run on samples split by height, read off their operations (issue 11).
 
-A layer splits when every value it reads is an image batch ``(N, C, H, W)`` of one height and every
-operation on a split value is spatially local: a 2-d convolution or max pooling (which read a halo of
-neighbouring rows), BatchNorm (whose statistics the parts reduce together), a pointwise operation or a
-concatenation along channels; and every value it produces is split. `split_shape` gives the planner's
+A layer splits when every value it reads is a batch of images ``(N, C, H, W)`` (or 1-d ``(N, C, L)``,
+3-d ``(N, C, D, H, W)``: split along L or D) of one height and every operation on a split value is
+spatially local: a convolution or a 2-/3-d max pooling (which read a halo of neighbouring rows),
+BatchNorm (whose statistics the parts reduce together), a pointwise operation or a concatenation
+along channels; and every value it produces is split. `split_shape` gives the planner's
 `Layer.height` and `Layer.halo_bytes`; the runtime (`strategy.spatial_layer`) follows the same rules.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +23,7 @@ from lightning_deeppool.capture.trace import Leaf, Trace
 from lightning_deeppool.planner.spatial import Window
 
 aten = torch.ops.aten
-SPLIT_DIM = 2  # the height of an (N, C, H, W) tensor
+SPLIT_DIM = 2  # the first spatial dimension: the length of (N, C, L), the height of (N, C, H, W), ...
 
 # Elementwise on their tensor arguments: a part's rows give the part's rows of the result.
 POINTWISE = {
@@ -40,11 +42,11 @@ POINTWISE = {
     aten.clone.default,
     aten.dropout.default,
 }
-CONVOLUTION = aten.conv2d.default
-MAX_POOLING = aten.max_pool2d.default
+CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
+MAX_POOLINGS = {aten.max_pool2d.default, aten.max_pool3d.default}
 BATCH_NORM = aten.batch_norm.default
 CONCATENATION = aten.cat.default
-SPATIALLY_LOCAL = {*POINTWISE, CONVOLUTION, MAX_POOLING, BATCH_NORM, CONCATENATION}
+SPATIALLY_LOCAL = {*POINTWISE, *CONVOLUTIONS, *MAX_POOLINGS, BATCH_NORM, CONCATENATION}
 
 
 def arguments(node: fx.Node, env: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -57,27 +59,27 @@ def arguments(node: fx.Node, env: Mapping[str, Any] | None = None) -> dict[str, 
 
 
 def window(target: Any, a: Mapping[str, Any], kernel: int | None = None) -> Window:
-    """The window of a convolution (`kernel`: its weight's height) or a max pooling along the height."""
-    if target == CONVOLUTION:
+    """The window along the split dimension of a convolution (`kernel`: its weight's size there) or
+    of a max pooling."""
+    if target in CONVOLUTIONS:
         assert kernel is not None
         return Window(kernel, pair(a["stride"])[0], pair(a["padding"])[0], pair(a["dilation"])[0])
     size = pair(a["kernel_size"])
     stride = pair(a["stride"]) if len(a["stride"]) else size
-    return Window(size[0], stride[0], pair(a["padding"])[0], pair(a["dilation"])[0])
+    return Window(size[0], stride[0], pair(a["padding"])[0], pair(a["dilation"])[0], a["ceil_mode"])
 
 
 def pair(value: Any, dims: int = 2) -> list[int]:
-    """An ``int[dims]`` argument as `dims` ints (ATen accepts one for all)."""
-    return [value] * dims if isinstance(value, int) else list(value) * (dims // len(value))
+    """An ``int[dims]`` argument as a list (ATen accepts one int for all)."""
+    values = [value] if isinstance(value, int) else list(value)
+    return values * dims if len(values) == 1 else values
 
 
 def refusal(node: fx.Node, a: Mapping[str, Any]) -> str | None:
     """Why an operation reading a split value cannot run on the parts, or None when it can."""
     if node.target not in SPATIALLY_LOCAL:
         return f"{node.target} is not spatially local"
-    if node.target == MAX_POOLING and a["ceil_mode"]:
-        return f"{node.target} with ceil_mode=True is not supported on split samples"
-    if node.target == CONCATENATION and a["dim"] in (SPLIT_DIM, SPLIT_DIM - 4):
+    if node.target == CONCATENATION and a["dim"] in (SPLIT_DIM, SPLIT_DIM - _dims(a["tensors"][0])):
         return f"{node.target} along the height concatenates across the split"
     return None
 
@@ -99,13 +101,16 @@ def split_shape(trace: Trace, code: LayerCode) -> tuple[int, int]:
         heights[node.name] = _image(trace, node.name)
         if refusal(node, a) is not None or not heights[node.name]:
             return 0, 0
-        if node.target in (CONVOLUTION, MAX_POOLING):
+        if node.target in CONVOLUTIONS or node.target in MAX_POOLINGS:
             source = _leaf(trace, a["input"].name)
-            weight = _leaf(trace, a["weight"].name) if node.target == CONVOLUTION else None
+            weight = _leaf(trace, a["weight"].name) if node.target in CONVOLUTIONS else None
             rows = window(node.target, a, weight.shape[2] if weight is not None else None)
             assert source is not None
             halo += (
-                max(0, rows.extent - rows.stride) * source.shape[1] * source.shape[3] * source.dtype.itemsize
+                max(0, rows.extent - rows.stride)
+                * math.prod(source.shape[1:])
+                // source.shape[SPLIT_DIM]
+                * source.dtype.itemsize
             )
     if not all(name in heights for name in code.outputs):
         return 0, 0
@@ -118,8 +123,17 @@ def _leaf(trace: Trace, name: str) -> Leaf | None:
 
 
 def _image(trace: Trace, name: str) -> int:
-    """The height of a node's value when it is one image batch ``(N, C, H, W)``, else 0."""
+    """The size of the split dimension of a node's value when it is one batch of 1-, 2- or 3-d
+    images ``(N, C, ...)``, else 0."""
     leaf = _leaf(trace, name)
-    if leaf is None or leaf.batch_dims != (0,) or leaf.rows != 1 or len(leaf.shape) != 4:
+    if leaf is None or leaf.batch_dims != (0,) or leaf.rows != 1 or not 3 <= len(leaf.shape) <= 5:
         return 0
     return leaf.shape[SPLIT_DIM]
+
+
+def _dims(tensor: Any) -> int:
+    """Dimensions of a tensor argument, a node's as traced (4 when unknown)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dim()
+    value = tensor.meta.get("val") if isinstance(tensor, fx.Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else 4

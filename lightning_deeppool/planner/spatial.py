@@ -19,20 +19,27 @@ from lightning_deeppool.planner.layout import Transfer, balanced, offsets
 @dataclass(frozen=True)
 class Window:
     """A spatially local operation along one dimension: output row i reads the input rows
-    ``i * stride - padding + j * dilation`` for j in 0..kernel-1 (outside 0..size-1: padding)."""
+    ``i * stride - padding + j * dilation`` for j in 0..kernel-1 (outside 0..size-1: padding).
+    `ceil_mode` (pooling) keeps a last, partial window that starts inside the input or its padding."""
 
     kernel: int = 1
     stride: int = 1
     padding: int = 0
     dilation: int = 1
+    ceil_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel < 1 or self.stride < 1 or self.dilation < 1 or self.padding < 0:
             raise ValueError(f"not a valid window: {self}")
 
     def output_size(self, size: int) -> int:
-        """Output rows for `size` input rows (as `torch.nn.functional.conv2d` computes them)."""
-        return max(0, (size + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1)
+        """Output rows for `size` input rows (as `torch.nn.functional.conv2d` and the poolings
+        compute them)."""
+        span = size + 2 * self.padding - self.extent
+        if not self.ceil_mode:
+            return max(0, span // self.stride + 1)
+        rows = -(-span // self.stride) + 1
+        return rows - 1 if (rows - 1) * self.stride >= size + self.padding else rows
 
     def reads(self, start: int, stop: int) -> tuple[int, int]:
         """The input rows ``[first, last + 1)`` that output rows ``[start, stop)`` read, padding

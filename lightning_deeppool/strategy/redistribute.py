@@ -65,6 +65,20 @@ def redistribute(
     return out
 
 
+def local_block(
+    whole: torch.Tensor, dst: Layout, rank: int, sample_shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """This rank's part under layout `dst` of a batch every rank holds whole (a shared batch), as a
+    copy: no messages. None when it holds nothing there."""
+    split = dst.spatial > 1
+    size = sample_shape[ROWS - 1] if split else 1
+    wanted = dst.block(rank, size)
+    if not wanted.samples:
+        return None
+    held = Block(0, whole.shape[0], 0, size)
+    return _region(whole, held, wanted, split).clone(memory_format=torch.contiguous_format)
+
+
 def _region(tensor: torch.Tensor, held: Block, part: Block, split: bool) -> torch.Tensor:
     """The view of `part` in `tensor`, which holds `held`."""
     view = tensor.narrow(0, part.start - held.start, part.samples)

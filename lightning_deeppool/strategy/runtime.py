@@ -25,7 +25,7 @@ from lightning_deeppool.capture.values import LeafMeta, rows_view, samples_view
 from lightning_deeppool.planner.layout import Layout, Placement
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.redistribute import ROWS, redistribute
+from lightning_deeppool.strategy.redistribute import ROWS, local_block, redistribute
 from lightning_deeppool.strategy.schedule import Action, Schedule, Stage
 from lightning_deeppool.strategy.shared import checksum, gather_batch, keep_share, shares
 from lightning_deeppool.strategy.spatial_layer import SpatialPart, run_layer_split
@@ -42,6 +42,7 @@ class _Step:
     training: bool
     local: dict[str, Any]
     input_grads: dict[str, bool]
+    whole: dict[str, torch.Tensor]  # a shared batch's inputs, as every rank read them
     accumulate: bool = True  # whether backward accumulates into parameters (not torch.autograd.grad)
     values: dict[Key, Any] = field(default_factory=dict)
     leaves: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
@@ -120,10 +121,11 @@ class BurstRuntime:
                 "support; detach them or use shared_batch=False"
             )
         counts, meta = self._agree_on_batch(batch, local, input_grads)
+        whole = batch if self.shared else {}
         if self.shared:
             batch = {name: keep_share(t, counts, self.rank) for name, t in batch.items()}
         self.grad_sync.track_new_parameters()
-        step = _Step(counts, meta, training, local, input_grads)
+        step = _Step(counts, meta, training, local, input_grads, whole)
         for name, value in batch.items():
             step.values[(name, self.home)] = value
         self._run(step, self.schedule.forward)
@@ -260,9 +262,15 @@ class BurstRuntime:
 
     def _send(self, step: _Step, action: Action) -> None:
         src, dst = step.layout(action.src), step.layout(action.dst)
+        meta = step.meta[action.value]
+        if action.value in step.whole and action.src == self.home:  # every rank holds it: no message
+            leaf = meta.leaves[0]
+            part = local_block(samples_view(step.whole[action.value], leaf), dst, self.rank, leaf.shape)
+            if part is not None:
+                step.values[(action.value, action.dst)] = rows_view(part, leaf)
+            return
         if src.samples(self.rank) == 0 and dst.samples(self.rank) == 0:
             return
-        meta = step.meta[action.value]
         local = step.values.get((action.value, action.src))
         flat = pytree.tree_leaves(local) if local is not None else None
         with torch.no_grad():

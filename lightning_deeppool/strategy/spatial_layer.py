@@ -21,8 +21,8 @@ from lightning_deeppool.capture.graph import BATCH_SIZE, evaluate, unpack
 from lightning_deeppool.capture.spatial import (
     BATCH_NORM,
     CONCATENATION,
-    CONVOLUTION,
-    MAX_POOLING,
+    CONVOLUTIONS,
+    MAX_POOLINGS,
     SPLIT_DIM,
     arguments,
     pair,
@@ -104,24 +104,25 @@ def run_layer_split(
 
 
 def _convolution(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
-    rows = window(CONVOLUTION, a, a["weight"].shape[2])
+    rows = window(aten.conv2d.default, a, a["weight"].shape[SPLIT_DIM])
     padding = [0, *pair(a["padding"], a["weight"].dim() - 2)[1:]]
     kernel = Convolution(rows, list(a["stride"]), padding, list(a["dilation"]), a["groups"])
     return part.windowed(a["input"], size, kernel, (a["weight"], a["bias"])), rows.output_size(size)
 
 
 def _max_pooling(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
-    rows = window(MAX_POOLING, a)
-    kernel_size = pair(a["kernel_size"])
-    stride = pair(a["stride"]) if len(a["stride"]) else kernel_size
-    padding = [0, *pair(a["padding"])[1:]]
-    kernel = MaxPooling(rows, kernel_size, stride, padding, pair(a["dilation"]))
+    rows = window(aten.max_pool2d.default, a)
+    dims = a["input"].dim() - 2
+    kernel_size = pair(a["kernel_size"], dims)
+    stride = pair(a["stride"], dims) if len(a["stride"]) else kernel_size
+    padding = [0, *pair(a["padding"], dims)[1:]]
+    kernel = MaxPooling(rows, kernel_size, stride, padding, pair(a["dilation"], dims), a["ceil_mode"])
     return part.windowed(a["input"], size, kernel, ()), rows.output_size(size)
 
 
 @dataclass(frozen=True)
 class Convolution:
-    """A convolution as a `halo.Kernel`: unpadded along the split dimension."""
+    """A 1-, 2- or 3-d convolution as a `halo.Kernel`: unpadded along the split dimension."""
 
     window: Window
     stride: list[int]
@@ -167,19 +168,20 @@ class Convolution:
 
 @dataclass(frozen=True)
 class MaxPooling:
-    """A 2-d max pooling as a `halo.Kernel`: padding rows hold -inf."""
+    """A 2- or 3-d max pooling as a `halo.Kernel`: padding rows hold -inf (a ceil-mode window's
+    rows past the input too, which a max ignores as the kernel does)."""
 
     window: Window
     kernel_size: list[int]
     stride: list[int]
     padding: list[int]
     dilation: list[int]
+    ceil_mode: bool = False  # for the other dimensions: the slab's rows fit whole windows
     fill: float = float("-inf")
 
     def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
-        out, indices = aten.max_pool2d_with_indices(
-            slab, self.kernel_size, self.stride, self.padding, self.dilation, False
-        )
+        pool = aten.max_pool2d_with_indices if len(self.kernel_size) == 2 else aten.max_pool3d_with_indices
+        out, indices = pool(slab, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         return out, (indices, slab.shape)
 
     def backward(
@@ -193,7 +195,12 @@ class MaxPooling:
         indices, shape = saved
         # The kernel reads only the input's shape: an uninitialized tensor spares rebuilding the slab.
         shaped = grad.new_empty(shape)
-        grad_slab = aten.max_pool2d_with_indices_backward(
+        pool = (
+            aten.max_pool2d_with_indices_backward
+            if len(self.kernel_size) == 2
+            else aten.max_pool3d_with_indices_backward
+        )
+        grad_slab = pool(
             grad, shaped, self.kernel_size, self.stride, self.padding, self.dilation, False, indices
         )
         return grad_slab, ()
@@ -223,8 +230,8 @@ def _concatenation(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[
 
 
 _RULES: dict[Any, Callable[[Mapping[str, Any], SpatialPart, int], tuple[Any, int]]] = {
-    CONVOLUTION: _convolution,
-    MAX_POOLING: _max_pooling,
+    **dict.fromkeys(CONVOLUTIONS, _convolution),
+    **dict.fromkeys(MAX_POOLINGS, _max_pooling),
     BATCH_NORM: _batch_norm,
     CONCATENATION: _concatenation,
 }
