@@ -93,7 +93,9 @@ def _split_conv(
     if pool:
         kernel = MaxPooling(window, [window.kernel, 3], [window.stride, 1], [0, 1], [window.dilation, 1])
     else:
-        kernel = Convolution(window, [window.stride, 1], [0, 1], [window.dilation, 1], groups)
+        kernel = Convolution(
+            torch.ops.aten.conv2d.default, window, [window.stride, 1], [0, 1], [window.dilation, 1], groups
+        )
 
     full = op(x, window.padding)
     weighting = torch.randn(full.shape, dtype=torch.float64)

@@ -33,15 +33,18 @@ class Kernel(Protocol):
     def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
         """The output and what `backward` needs besides the slab."""
 
-    def backward(
+    def input_grad(self, grad: torch.Tensor, shape: torch.Size, params: Params, saved: Any) -> torch.Tensor:
+        """The gradient of a slab of `shape` (its values are not needed)."""
+
+    def param_grads(
         self,
         grad: torch.Tensor,
         slab: Callable[[], torch.Tensor],
         params: Params,
         saved: Any,
         wanted: Sequence[bool],
-    ) -> tuple[torch.Tensor, Params]:
-        """Gradients of the slab and of the parameters (`wanted` of them; `slab()` rebuilds it)."""
+    ) -> Params:
+        """The gradients of the parameters (`wanted` of them; `slab()` rebuilds the slab)."""
 
 
 class _Geometry(NamedTuple):
@@ -111,24 +114,27 @@ class _Windowed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         geometry: _Geometry = ctx.geometry
+        kernel: Kernel = ctx.kernel
         local, *rest = ctx.saved_tensors
         received, given = rest[: len(geometry.incoming)], iter(rest[len(geometry.incoming) :])
         params = tuple(next(given) if present else None for present in ctx.present)
-        grad_slab, grad_params = ctx.kernel.backward(
-            grad,
-            lambda: _assemble(local, received, geometry, ctx.kernel.fill).to(ctx.dtype),
-            params,
-            ctx.saved,
-            ctx.needs_input_grad[3:],
-        )
-        grad_slab = grad_slab.to(local.dtype)
         dim, need = geometry.dim, geometry.need
+        shape = torch.Size(_shape(local, dim, need.rows))
+        grad_slab = kernel.input_grad(grad, shape, params, ctx.saved).to(local.dtype)
         returned = {
             m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.samples)
             for m in geometry.incoming
         }
         arriving = {m.dst: local.new_empty(_shape(local, dim, m.samples)) for m in geometry.outgoing}
-        _post(returned, arriving, geometry.ranks, geometry.group).wait()
+        pending = _post(returned, arriving, geometry.ranks, geometry.group)
+        # The parameters' gradients (and the slab they need, rebuilt) overlap the messages.
+        grad_params = kernel.param_grads(
+            grad,
+            lambda: _assemble(local, received, geometry, kernel.fill).to(ctx.dtype),
+            params,
+            ctx.saved,
+            ctx.needs_input_grad[3:],
+        )
         own_lo, own_hi = geometry.own()
         if own_lo == geometry.start and own_hi == geometry.stop:
             grad_local = grad_slab.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo)
@@ -138,6 +144,7 @@ class _Windowed(torch.autograd.Function):
                 grad_local.narrow(dim, own_lo - geometry.start, own_hi - own_lo).copy_(
                     grad_slab.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo)
                 )
+        pending.wait()
         for move in geometry.outgoing:
             grad_local.narrow(dim, move.start - geometry.start, move.samples).add_(arriving[move.dst])
         return (grad_local, None, None, *grad_params)

@@ -51,7 +51,8 @@ def redistribute(
     ops, landed = [], []
     for piece in pieces(src, dst, size):
         if piece.src == rank and local is not None:
-            chunk = _region(local, mine, piece.block, split).contiguous()
+            # In the value's declared dtype (one device's), whatever precision the sender computed in.
+            chunk = _region(local, mine, piece.block, split).to(dtype).contiguous()
             ops.append(dist.P2POp(dist.isend, chunk, piece.dst, group))
         elif piece.dst == rank and out is not None:
             view = _region(out, wanted, piece.block, split)

@@ -9,6 +9,7 @@ such a layer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,10 +104,10 @@ def run_layer_split(
     return tuple(env[output] for output in code.outputs), {o: split[o] for o in code.outputs if o in split}
 
 
-def _convolution(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
+def _convolution(target: Any, a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
     rows = window(aten.conv2d.default, a, a["weight"].shape[SPLIT_DIM])
     padding = [0, *pair(a["padding"], a["weight"].dim() - 2)[1:]]
-    kernel = Convolution(rows, list(a["stride"]), padding, list(a["dilation"]), a["groups"])
+    kernel = Convolution(target, rows, list(a["stride"]), padding, list(a["dilation"]), a["groups"])
     return part.windowed(a["input"], size, kernel, (a["weight"], a["bias"])), rows.output_size(size)
 
 
@@ -122,8 +123,10 @@ def _max_pooling(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[An
 
 @dataclass(frozen=True)
 class Convolution:
-    """A 1-, 2- or 3-d convolution as a `halo.Kernel`: unpadded along the split dimension."""
+    """A 1-, 2- or 3-d convolution as a `halo.Kernel`: unpadded along the split dimension. `op` is
+    the graph's (``aten.conv2d``...), which autocast casts as it would on one device."""
 
+    op: Any
     window: Window
     stride: list[int]
     padding: list[int]
@@ -133,37 +136,62 @@ class Convolution:
 
     def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
         weight, bias = params
-        out = aten.convolution(
-            slab, weight, bias, self.stride, self.padding, self.dilation, False, [0], self.groups
-        )
+        out = self.op(slab, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         return out, None
 
-    def backward(
+    def input_grad(self, grad: torch.Tensor, shape: torch.Size, params: Params, saved: Any) -> torch.Tensor:
+        weight = params[0]
+        assert weight is not None
+        # The input's values are not needed for its gradient: an uninitialized tensor of its shape.
+        grad_slab = self._backward(
+            grad, grad.new_empty(shape), weight.to(grad.dtype), None, [True, False, False]
+        )[0]
+        assert grad_slab is not None
+        return grad_slab
+
+    def param_grads(
         self,
         grad: torch.Tensor,
         slab: Callable[[], torch.Tensor],
         params: Params,
         saved: Any,
         wanted: Sequence[bool],
-    ) -> tuple[torch.Tensor, Params]:
+    ) -> Params:
         weight, bias = params
         assert weight is not None
-        grads = aten.convolution_backward(
-            grad,
-            slab(),
-            weight.to(grad.dtype),
-            None if bias is None else [weight.shape[0]],
-            self.stride,
-            self.padding,
-            self.dilation,
-            False,
-            [0],
-            self.groups,
-            [True, wanted[0], wanted[1] and bias is not None],
+        mask = [False, wanted[0], wanted[1] and bias is not None]
+        if not any(mask):
+            return (None, None)
+        sizes = None if bias is None else [weight.shape[0]]
+        _, grad_weight, grad_bias = self._backward(grad, slab(), weight.to(grad.dtype), sizes, mask)
+        return (
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if bias is not None and grad_bias is not None else None,
         )
-        grad_weight = grads[1].to(weight.dtype) if grads[1] is not None else None
-        grad_bias = grads[2].to(bias.dtype) if bias is not None and grads[2] is not None else None
-        return grads[0], (grad_weight, grad_bias)
+
+    def _backward(
+        self,
+        grad: torch.Tensor,
+        slab: torch.Tensor,
+        weight: torch.Tensor,
+        bias_sizes: list[int] | None,
+        mask: list[bool],
+    ) -> tuple[torch.Tensor | None, ...]:
+        return tuple(
+            aten.convolution_backward(
+                grad,
+                slab,
+                weight,
+                bias_sizes,
+                self.stride,
+                self.padding,
+                self.dilation,
+                False,
+                [0],
+                self.groups,
+                mask,
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -182,28 +210,29 @@ class MaxPooling:
     def forward(self, slab: torch.Tensor, params: Params) -> tuple[torch.Tensor, Any]:
         pool = aten.max_pool2d_with_indices if len(self.kernel_size) == 2 else aten.max_pool3d_with_indices
         out, indices = pool(slab, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
-        return out, (indices, slab.shape)
+        return out, indices
 
-    def backward(
+    def input_grad(self, grad: torch.Tensor, shape: torch.Size, params: Params, saved: Any) -> torch.Tensor:
+        # The kernel reads only the input's shape: an uninitialized tensor spares rebuilding the slab.
+        pool = (
+            aten.max_pool2d_with_indices_backward
+            if len(self.kernel_size) == 2
+            else aten.max_pool3d_with_indices_backward
+        )
+        shaped = grad.new_empty(shape)
+        return pool(
+            grad, shaped, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, saved
+        )
+
+    def param_grads(
         self,
         grad: torch.Tensor,
         slab: Callable[[], torch.Tensor],
         params: Params,
         saved: Any,
         wanted: Sequence[bool],
-    ) -> tuple[torch.Tensor, Params]:
-        indices, shape = saved
-        # The kernel reads only the input's shape: an uninitialized tensor spares rebuilding the slab.
-        shaped = grad.new_empty(shape)
-        pool = (
-            aten.max_pool2d_with_indices_backward
-            if len(self.kernel_size) == 2
-            else aten.max_pool3d_with_indices_backward
-        )
-        grad_slab = pool(
-            grad, shaped, self.kernel_size, self.stride, self.padding, self.dilation, False, indices
-        )
-        return grad_slab, ()
+    ) -> Params:
+        return ()
 
 
 def _batch_norm(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
@@ -230,7 +259,7 @@ def _concatenation(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[
 
 
 _RULES: dict[Any, Callable[[Mapping[str, Any], SpatialPart, int], tuple[Any, int]]] = {
-    **dict.fromkeys(CONVOLUTIONS, _convolution),
+    **{op: functools.partial(_convolution, op) for op in CONVOLUTIONS},
     **dict.fromkeys(MAX_POOLINGS, _max_pooling),
     BATCH_NORM: _batch_norm,
     CONCATENATION: _concatenation,

@@ -64,7 +64,10 @@ def _statistics(x: torch.Tensor, total: float, parts: _Parts) -> tuple[torch.Ten
     """Per channel, the mean and (biased) variance over every part's values: each part's own, combined
     exactly (Chan et al.'s pairwise formula, no cancellation) after one exchange."""
     dims, values = [0, *range(2, x.dim())], x.numel() / x.shape[1]
-    mean = x.sum(dims) / values  # two passes: torch.var_mean is several times slower here on CPU
+    # In at least float32 (as the native kernel accumulates), in two passes (torch.var_mean is several
+    # times slower here on CPU).
+    exact = torch.promote_types(x.dtype, torch.float32)
+    mean = x.sum(dims, dtype=exact) / values
     var = torch.sub(x, mean.view(1, -1, *([1] * (x.dim() - 2)))).square_().sum(dims) / values
     counts, means, variances = parts.gather(torch.stack([torch.full_like(mean, values), mean, var])).unbind(1)
     overall = (counts * means).sum(0) / total
