@@ -50,12 +50,17 @@ SPATIALLY_LOCAL = {*POINTWISE, *CONVOLUTIONS, *MAX_POOLINGS, BATCH_NORM, CONCATE
 
 
 def arguments(node: fx.Node, env: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A node's arguments by name, looked up in `env` (by node name) or left as nodes."""
-    args = node.args if env is None else fx.node.map_arg(node.args, lambda n: env[n.name])
-    kwargs = node.kwargs if env is None else fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-    normalized = normalize_function(node.target, args, kwargs, normalize_to_only_use_kwargs=True)  # type: ignore[arg-type]
-    assert normalized is not None, node.target
-    return dict(normalized.kwargs)
+    """A node's arguments by name, looked up in `env` (by node name) or left as nodes. The names are
+    bound once per node (the runtime asks at every step)."""
+    named = node.meta.get("deeppool_arguments")
+    if named is None:
+        target: Any = node.target
+        normalized = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        assert normalized is not None, node.target
+        named = node.meta["deeppool_arguments"] = dict(normalized.kwargs)
+    if env is None:
+        return dict(named)
+    return {name: fx.node.map_arg(value, lambda n: env[n.name]) for name, value in named.items()}
 
 
 def window(target: Any, a: Mapping[str, Any], kernel: int | None = None) -> Window:

@@ -172,10 +172,6 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _placement(value: int | Placement) -> Placement:
-    return value if isinstance(value, Placement) else Placement(int(value))
-
-
 def check_profile(graph: LayerGraph, profile: Profile) -> None:
     """Raise ValueError if the profile was made for another graph or lacks a layer."""
     if profile.graph_fingerprint != graph.fingerprint:
@@ -239,7 +235,7 @@ def compute_time(
 ) -> float:
     """Profiled fwd+bwd seconds at ``ceil(B / width)``, which raises outside the profiled batch sizes;
     split by height, at the fractional `effective_samples` (`halo`: the layer's `halo_share`)."""
-    placement = _placement(width)
+    placement = Placement.of(width)
     measured = profile.layer(layer.name)
     if placement.spatial == 1:
         return measured.time(per_device_batch(global_batch_size, placement.width))
@@ -249,7 +245,7 @@ def compute_time(
 def halo_time(comm: CommProfile, layer: Layer, width: int | Placement, global_batch_size: int) -> float:
     """Seconds of the layer's halo exchange, forward and backward (0 unless split by height): a middle
     part's `halo_bytes` for each of its group's samples."""
-    placement = _placement(width)
+    placement = Placement.of(width)
     if placement.spatial == 1:
         return 0.0
     samples = per_device_batch(global_batch_size, placement.groups)
@@ -258,7 +254,7 @@ def halo_time(comm: CommProfile, layer: Layer, width: int | Placement, global_ba
 
 def sync_time(comm: CommProfile, layer: Layer, width: int | Placement) -> float:
     """Seconds to all-reduce the layer's gradients among its ``width`` devices (0 at width 1)."""
-    return comm.allreduce_time(_placement(width).width, layer.param_bytes)
+    return comm.allreduce_time(Placement.of(width).width, layer.param_bytes)
 
 
 def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]:
@@ -287,43 +283,30 @@ def transfer_time(
     Between widths the busiest rank's whole samples (`busiest_samples`); where either side is split by
     height, its share of samples with rows as fractions (`busiest_shares`) of a value of `rows` rows.
     """
-    src, dst = _placement(src_width), _placement(dst_width)
+    src, dst = Placement.of(src_width), Placement.of(dst_width)
     if src == dst:
         return 0.0
-    if src.spatial == dst.spatial == 1:
-        samples = busiest_samples(np.array([src.width, dst.width]), world_size, global_batch_size)[0, 1]
-        return DIRECTIONS * comm.redistribute_time(int(samples) * sample_bytes)
-    if rows < 1:
+    split = src.spatial > 1 or dst.spatial > 1
+    if split and rows < 1:
         raise ValueError(f"moving a value between {src} and {dst} needs its rows (>= 1), got {rows}")
-    share = busiest_shares([src, dst], rows, world_size, global_batch_size)[0, 1]
+    share = busiest_shares([src, dst], rows if split else 1, world_size, global_batch_size)[0, 1]
     return DIRECTIONS * comm.redistribute_time(float(share) * sample_bytes)
 
 
 def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int) -> np.ndarray:
-    """``layout.busiest_rank_samples`` between the ``layout.balanced`` layouts of every pair of widths.
-
-    Vectorized (the reference is quadratic in the world size): a rank sends what it holds minus what it
-    keeps (the overlap of its old and new sample ranges) and receives what it will hold minus the same.
-    """
-    ranks = np.arange(world_size)
-    base, extra = np.divmod(global_batch_size, widths)
-    counts = np.where(ranks < widths[:, None], base[:, None] + (ranks < extra[:, None]), 0)
-    ends = np.cumsum(counts, axis=1)
-    starts = ends - counts
-    busiest = np.empty((len(widths), len(widths)), dtype=np.int64)
-    for i in range(len(widths)):
-        kept = np.clip(np.minimum(ends[i], ends) - np.maximum(starts[i], starts), 0, None)
-        busiest[i] = np.maximum(counts[i] - kept, counts - kept).max(axis=1)
-    return busiest
+    """``layout.busiest_rank_samples`` between the ``layout.balanced`` layouts of every pair of widths
+    (`busiest_shares` of unsplit placements)."""
+    unsplit = [Placement(int(width)) for width in widths]
+    return busiest_shares(unsplit, 1, world_size, global_batch_size).astype(np.int64)
 
 
 def busiest_shares(
     placements: Sequence[Placement], rows: int, world_size: int, global_batch_size: int
 ) -> np.ndarray:
     """``layout.busiest_rank_share`` between the ``layout.Layout.of`` layouts of every pair of placements,
-    for a value of `rows` rows, vectorized the way `busiest_samples` is: a rank's block under each
-    layout is a range of samples times a range of rows, and it sends (receives) what it holds under the
-    old (new) layout minus the overlap of its two blocks."""
+    for a value of `rows` rows. Vectorized (the reference is quadratic in the world size): a rank's
+    block under each layout is a range of samples times a range of rows, and it sends (receives) what
+    it holds under the old (new) layout minus the overlap of its two blocks."""
     ranks = np.arange(world_size)
     widths = np.array([p.width for p in placements])
     spatial = np.array([p.spatial for p in placements])
@@ -380,7 +363,7 @@ def evaluate(
     """Predicted per-layer costs of an assignment ``{layer name: width or Placement}`` covering every
     layer (placements are not checked here: `plan.plan_with_widths` does)."""
     check_sizes(world_size, global_batch_size, graph)
-    placements = {name: _placement(value) for name, value in widths.items()}
+    placements = {name: Placement.of(value) for name, value in widths.items()}
     full = Placement(world_size)
 
     def placement_of(name: str) -> Placement:
@@ -447,7 +430,7 @@ def layer_memory(
 ) -> float:
     """Bytes on each of the layer's devices: profiled peak at its batch (0 if unmeasured), scaled by
     the share of each sample a part holds (`row_share`), plus params and grads."""
-    placement = _placement(width)
+    placement = Placement.of(width)
     peak = profile.layer(layer.name).memory(per_device_batch(global_batch_size, placement.groups))
     return (peak or 0.0) * row_share(layer, placement.spatial, halo) + 2 * layer.param_bytes
 
@@ -468,7 +451,7 @@ def memory_per_rank(
     """Estimated bytes per rank: the layers it runs (rank r runs those wider than r); rank 0 is the max."""
     per_layer = [
         (
-            _placement(widths[layer.name]).width,
+            Placement.of(widths[layer.name]).width,
             layer_memory(
                 profile, layer, widths[layer.name], global_batch_size, halo=halo_share(graph, layer)
             ),

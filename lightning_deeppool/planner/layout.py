@@ -80,6 +80,11 @@ class Placement(NamedTuple):
         return str(self.width) if self.spatial == 1 else f"{self.width}s{self.spatial}"
 
     @classmethod
+    def of(cls, value: int | Placement) -> Placement:
+        """`value` as a placement: a bare width splits no sample."""
+        return value if isinstance(value, Placement) else cls(int(value))
+
+    @classmethod
     def parse(cls, text: str) -> Placement:
         """Inverse of `str`: ``"4"`` or ``"4s2"``."""
         width, _, spatial = text.partition("s")

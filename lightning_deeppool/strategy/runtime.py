@@ -322,14 +322,13 @@ class BurstRuntime:
     def _gather(self, step: _Step, name: str, value: Any) -> Any:
         """The whole shared batch of a value, from every rank's share."""
         flat, spec = pytree.tree_flatten(value)
-        leaves = iter(step.meta[name].leaves)
-        gathered = [
-            gather_batch(t, tuple(c * leaf.rows for c in step.counts), self.rank, self.redistribution)
-            if isinstance(t, torch.Tensor) and (leaf := next(leaves))
-            else t
-            for t in flat
-        ]
-        return pytree.tree_unflatten(gathered, spec)
+        leaves = iter(step.meta[name].leaves)  # one per tensor, in order
+
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            rows = next(leaves).rows
+            return gather_batch(t, tuple(c * rows for c in step.counts), self.rank, self.redistribution)
+
+        return pytree.tree_unflatten([whole(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
     def _held(self, step: _Step, name: str) -> Any:
         """A value at the full width; a rank holding no samples gets empty tensors."""

@@ -94,14 +94,9 @@ class Schedule:
         return rank < self.param_widths.get(param, self.world_size)
 
 
-def placed(placements: Mapping[str, Placement | int]) -> dict[str, Placement]:
-    """Placements, a bare width meaning no spatial split."""
-    return {name: p if isinstance(p, Placement) else Placement(p) for name, p in placements.items()}
-
-
-def build_stages(graph: LayerGraph, placements: Mapping[str, Placement | int]) -> tuple[Stage, ...]:
+def build_stages(graph: LayerGraph, given: Mapping[str, Placement | int]) -> tuple[Stage, ...]:
     """Cut the execution order into maximal runs of equal placement."""
-    placements = placed(placements)
+    placements = {name: Placement.of(p) for name, p in given.items()}
     runs: list[list[str]] = []
     for layer in graph.layers:
         if runs and placements[runs[-1][0]] == placements[layer.name]:
@@ -256,14 +251,15 @@ def build_schedule(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Schedule:
     """Lower a placement (or a width) per layer into the action lists every rank runs."""
-    stages = build_stages(graph, placements)
+    placed = {name: Placement.of(p) for name, p in placements.items()}
+    stages = build_stages(graph, placed)
     forward = lower_forward(graph, stages, world_size)
-    param_widths = param_owner_widths({name: p.width for name, p in placed(placements).items()}, layer_params)
+    param_widths = param_owner_widths({name: p.width for name, p in placed.items()}, layer_params)
     buckets, ready_after = plan_buckets(stages, layer_params, param_bytes, param_widths, bucket_bytes)
     backward = lower_backward(graph, stages, forward, buckets, ready_after)
     return Schedule(
         world_size=world_size,
-        placements=placed(placements),
+        placements=placed,
         stages=stages,
         buckets=tuple(buckets),
         forward=tuple(forward),
