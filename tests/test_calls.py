@@ -35,7 +35,7 @@ def _step(*sites: str) -> Callable[[CallAgreement], list[bool]]:
 
     def program(agreement: CallAgreement) -> list[bool]:
         agreement.begin_step()
-        decided = [agreement.agree(site) for site in sites]
+        decided = [agreement.agree(site) is not None for site in sites]
         agreement.end_step()
         return decided
 
@@ -44,6 +44,16 @@ def _step(*sites: str) -> Callable[[CallAgreement], list[bool]]:
 
 def test_a_call_every_rank_makes_is_collective():
     assert _ranks(_step("a"), _step("a"), _step("a")) == [[True], [True], [True]]
+
+
+def test_a_collective_call_gives_every_rank_every_ranks_row():
+    def program(agreement: CallAgreement) -> Any:
+        agreement.begin_step()
+        rows = agreement.agree("loss", (agreement.rank, 10 + agreement.rank))
+        agreement.end_step()
+        return rows
+
+    assert _ranks(program, program, program) == [[(0, 10), (1, 11), (2, 12)]] * 3
 
 
 def test_repeated_calls_at_one_place_pair_up_in_order():
@@ -81,9 +91,17 @@ def test_a_rank_blocked_in_a_collective_counts_as_absent_after_the_grace(monkeyp
 
     def rank_zero(agreement: CallAgreement) -> list[bool]:
         agreement.begin_step()
-        decided = [agreement.agree("log")]
+        decided = [agreement.agree("log") is not None]
         released.set()
         agreement.end_step()
         return decided
 
     assert _ranks(rank_zero, blocked_until_rank_zero_decides) == [[False], []]
+
+
+def test_a_call_some_ranks_make_runs_locally_on_each_of_them():
+    assert _ranks(_step("log", "loss"), _step("log", "loss"), _step("loss")) == [
+        [False, True],
+        [False, True],
+        [True],
+    ]

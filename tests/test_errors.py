@@ -67,6 +67,18 @@ class NoForwardMLP(MLP):
         return nn.functional.cross_entropy(self.head(self.body(x.flatten(1))), y)
 
 
+class OneRankChangesAnArgument(MLP):
+    """In its second step rank 1 alone calls forward with another value of a non-tensor argument."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.head(self.body(x.flatten(1))) * scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        scale = 2.0 if batch_idx == 1 and self.global_rank == 1 else 1.0
+        return nn.functional.cross_entropy(self(x, scale=scale), y)
+
+
 def _plan_for(model: nn.Module, world_size: int) -> Plan:
     graph = capture_graph(model, (images(4).tensors[0],)).graph
     layers = tuple(
@@ -112,6 +124,7 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
         "training_step without forward": _fit_error(NoForwardMLP(), root, plan={"": 2}),
         "mixes samples": _fit_error(MixingMLP(), root),
         "per-sample shape changes": _fit_error(make_model("mlp"), root, data=reshaped, steps=2, plan={"": 2}),
+        "one rank's arguments change": _fit_error(OneRankChangesAnArgument(), root, steps=2, plan={"": 2}),
     }
 
 
@@ -172,3 +185,9 @@ def test_a_forward_that_mixes_samples_is_refused_on_every_rank(errors):
 def test_a_batch_of_another_per_sample_shape_asks_for_padding(errors):
     text = _on_every_rank(errors, "per-sample shape changes")
     assert text.count("captured for inputs of per-sample shapes") == 2
+
+
+def test_arguments_one_rank_cannot_bind_fail_every_rank(errors):
+    own, peer = (errors[rank]["one rank's arguments change"] for rank in (1, 0))
+    assert "captured with the argument value 1.0 and is now called with 2.0" in own
+    assert "ranks [1] could not bind their arguments" in peer

@@ -9,7 +9,7 @@ of fit refreshes them), and refuses to backpropagate through one into layers it 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.strategy.agree import on_rank_zero
+from lightning_deeppool.strategy.batch import Call, Row
 from lightning_deeppool.strategy.calls import CallAgreement, call_site
 from lightning_deeppool.strategy.verify import first_difference
 
@@ -48,10 +49,17 @@ class ForwardCalls:
         target.forward = forward  # type: ignore[method-assign]
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # A rank alone (one device) agrees with itself: every call of its training step is planned.
-        if self.in_training_step and (self.agreement is None or self.agreement.agree(call_site())):
+        if not self.in_training_step:
+            return self._local(args, kwargs)
+        if self.agreement is None:  # a rank alone (one device): every call of its training step is planned
             return self._planned(args, kwargs)
-        return self._local(args, kwargs)
+        # Once installed, a call's rows travel with the agreement: no collective before it runs.
+        installation = self.strategy.installation
+        call = installation.runtime.prepare(args, kwargs) if installation is not None else None
+        rows = self.agreement.agree(call_site(), call.row if call is not None else ())
+        if rows is None:
+            return self._local(args, kwargs)
+        return self._planned(args, kwargs, call, rows)
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
@@ -66,14 +74,20 @@ class ForwardCalls:
                 self.agreement.end_step()
 
     # ---------------------------------------------------------------------------------- calls
-    def _planned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _planned(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Call | None = None,
+        rows: Sequence[Row] = (),
+    ) -> Any:
         installation = self.strategy.installation
         if installation is None:
             with self._unwrapped():
                 installation = self.strategy.install(self.target, args, kwargs)
         runtime = installation.runtime
         runtime.keep_last_step = not self._verified
-        outputs = runtime.forward(*args, **kwargs)
+        outputs = runtime.forward(*args, **kwargs) if call is None else runtime.run(call, rows)
         if torch.is_grad_enabled():
             self._pending += 1
         if not self._verified:

@@ -9,7 +9,6 @@ code before the planned module).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -19,15 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.capture import CapturedGraph, GuardError, ValueMeta
+from lightning_deeppool.capture import CapturedGraph, ValueMeta
 from lightning_deeppool.capture.graph import preserved, value_meta
 from lightning_deeppool.capture.values import LeafMeta, rows_view, samples_view
 from lightning_deeppool.planner.layout import Layout, Placement
+from lightning_deeppool.strategy.batch import Call, Row, check, prepare
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.idle import IdleWindows
 from lightning_deeppool.strategy.redistribute import ROWS, local_block, redistribute
 from lightning_deeppool.strategy.schedule import Action, Schedule, Stage
-from lightning_deeppool.strategy.shared import checksum, gather_batch, keep_share, shares
+from lightning_deeppool.strategy.shared import gather_batch, keep_share
 from lightning_deeppool.strategy.spatial_layer import SpatialPart, run_layer_split
 
 Key = tuple[str, Placement]
@@ -110,86 +110,42 @@ class BurstRuntime:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Drop-in replacement for the module's forward: same arguments, same outputs per rank.
         Collective: every rank must call it (the strategy makes sure of that)."""
-        inputs = self.captured.bind(args, kwargs)
-        batch = {name: inputs[name] for name in self.captured.batch_inputs}
-        local = {name: inputs[name] for name in self.captured.local_inputs}
-        training = torch.is_grad_enabled()
-        input_grads = {name: training and batch[name].requires_grad for name in batch}
-        if self.shared and any(input_grads.values()):
-            raise ValueError(
-                "shared_batch=True: the planned forward's inputs require grad, which a shared batch does not "
-                "support; detach them or use shared_batch=False"
-            )
-        counts, meta = self._agree_on_batch(batch, local, input_grads)
+        call = self.prepare(args, kwargs)
+        return self.run(call, self.exchange(call.row))
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        """This rank's part of a call, and the row it shows the other ranks (not collective)."""
+        return prepare(self.captured, args, kwargs, shared=self.shared)
+
+    def exchange(self, row: Row) -> list[Row]:
+        """Every rank's row of the same call, by an all-gather (collective)."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with self.idle.window("agree_on_batch"):
+            dist.all_gather(gathered, mine, group=self.redistribution)
+        return [tuple(int(x) for x in t.tolist()) for t in gathered]
+
+    def run(self, call: Call, rows: Sequence[Row]) -> Any:
+        """Run a prepared call, given every rank's row of it (raises on every rank if one cannot run)."""
+        counts = check(call, rows, self._captured_samples, shared=self.shared)
+        batch = call.batch
+        key = (
+            call.signature,
+            torch.is_autocast_enabled(self.device.type),
+            torch.get_autocast_dtype(self.device.type),
+        )
+        if key not in self._meta:
+            self._meta[key] = self._propagate_meta(batch, call.local)
         whole = batch if self.shared else {}
         if self.shared:
             batch = {name: keep_share(t, counts, self.rank) for name, t in batch.items()}
         self.grad_sync.track_new_parameters()
-        step = _Step(counts, meta, training, local, input_grads, whole)
+        step = _Step(counts, self._meta[key], torch.is_grad_enabled(), call.local, call.input_grads, whole)
         for name, value in batch.items():
             step.values[(name, self.home)] = value
         self._run(step, self.schedule.forward)
         self.last_step = step if self.keep_last_step else None
         return self._outputs(step)
-
-    def _agree_on_batch(
-        self, batch: dict[str, torch.Tensor], local: dict[str, Any], input_grads: dict[str, bool]
-    ) -> tuple[tuple[int, ...], dict[str, ValueMeta]]:
-        """All-gather local sample counts and call signatures; every rank checks the same data."""
-        found = {t.shape[0] for t in batch.values()}
-        if len(found) > 1:
-            raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
-        count = found.pop()
-        samples = [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
-        signature = repr(
-            (
-                samples,
-                [v.tolist() if isinstance(v, torch.Tensor) else v for v in local.values()],
-                sorted(input_grads.items()),
-            )
-        )
-        guard = ""
-        try:
-            self.captured.run_guards(local)
-        except GuardError as err:
-            guard = str(err)
-        digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
-        data = checksum(list(batch.values())) if self.shared else 0
-        mine = torch.tensor([count, digest, int(bool(guard)), data], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        with self.idle.window("agree_on_batch"):
-            dist.all_gather(gathered, mine, group=self.redistribution)
-        rows = [tuple(int(x) for x in t.tolist()) for t in gathered]
-        if any(row[2] for row in rows):
-            failed = [rank for rank, row in enumerate(rows) if row[2]]
-            raise GuardError(guard or f"deeppool: a captured branch no longer holds on ranks {failed}")
-        if len({row[1] for row in rows}) > 1:
-            raise ValueError(
-                "ranks called the planned forward with different per-sample shapes, dtypes or arguments in "
-                "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
-                f"same per-sample shape (this rank: {signature})"
-            )
-        if self.shared and len({(row[0], row[3]) for row in rows}) > 1:
-            raise ValueError(
-                "shared_batch=True needs every rank to read the same global batch, but the ranks' batches "
-                f"differ (samples per rank: {[row[0] for row in rows]}); give every rank the same data "
-                "in the same order (the strategy's sampler does; a custom sampler must too)"
-            )
-        if samples != self._captured_samples:
-            raise ValueError(
-                "the planned forward was captured for inputs of per-sample shapes and dtypes "
-                f"{self._captured_samples}; this step's inputs differ. "
-                "The captured graph is specialized to them: pad inputs to a fixed shape"
-            )
-        key = (
-            signature,
-            torch.is_autocast_enabled(self.device.type),
-            torch.get_autocast_dtype(self.device.type),
-        )
-        if key not in self._meta:
-            self._meta[key] = self._propagate_meta(batch, local)
-        counts = shares(count, self.world_size) if self.shared else tuple(row[0] for row in rows)
-        return counts, self._meta[key]
 
     def _propagate_meta(self, batch: dict[str, torch.Tensor], local: dict[str, Any]) -> dict[str, ValueMeta]:
         """Per-sample structure of every value under the current autocast state (which decides

@@ -1,0 +1,108 @@
+"""What each rank brings to a planned forward call, and the checks every rank makes on all of them.
+
+A call is *prepared* on its rank alone (its inputs bound to the captured graph, summarized in a `Row`);
+the rows are then exchanged (through the call agreement's store, or an all-gather) and *checked* the
+same way on every rank, so a bad call fails on every rank instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_deeppool.capture import CapturedGraph, GuardError
+from lightning_deeppool.strategy.shared import checksum, shares
+
+Row = tuple[int, ...]  # samples, digest of the per-sample signature, outcome, data checksum
+OK, GUARD_FAILED, INVALID = 0, 1, 2
+
+
+@dataclass
+class Call:
+    """A planned forward call on this rank, bound to the captured graph's inputs."""
+
+    batch: dict[str, torch.Tensor]
+    local: dict[str, Any]
+    input_grads: dict[str, bool]
+    signature: str
+    row: Row
+    error: Exception | None = None
+
+
+def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any], *, shared: bool) -> Call:
+    """Bind a call and summarize it. A call that cannot run is marked `INVALID` (its error kept
+    for this rank to raise) rather than raised here: the other ranks learn of it from the row."""
+    try:
+        inputs = captured.bind(args, kwargs)
+        batch = {name: inputs[name] for name in captured.batch_inputs}
+        local = {name: inputs[name] for name in captured.local_inputs}
+        training = torch.is_grad_enabled()
+        input_grads = {name: training and batch[name].requires_grad for name in batch}
+        if shared and any(input_grads.values()):
+            raise ValueError(
+                "shared_batch=True: the planned forward's inputs require grad, which a shared batch does not "
+                "support; detach them or use shared_batch=False"
+            )
+        found = {t.shape[0] for t in batch.values()}
+        if len(found) > 1:
+            raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
+    except (TypeError, ValueError) as err:
+        return Call({}, {}, {}, "", (0, 0, INVALID, 0), err)
+    samples = [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
+    signature = repr(
+        (
+            samples,
+            [v.tolist() if isinstance(v, torch.Tensor) else v for v in local.values()],
+            sorted(input_grads.items()),
+        )
+    )
+    outcome, error = OK, None
+    try:
+        captured.run_guards(local)
+    except GuardError as err:
+        outcome, error = GUARD_FAILED, err
+    digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
+    data = checksum(list(batch.values())) if shared else 0
+    return Call(batch, local, input_grads, signature, (found.pop(), digest, outcome, data), error)
+
+
+def check(call: Call, rows: Sequence[Row], captured_samples: list[Any], *, shared: bool) -> tuple[int, ...]:
+    """Every rank's samples in the call, once every rank's row says the call can run (raises the
+    same kind of error on every rank otherwise)."""
+    failed = {
+        outcome: [rank for rank, row in enumerate(rows) if row[2] == outcome]
+        for outcome in (GUARD_FAILED, INVALID)
+    }
+    if call.error is not None:
+        raise call.error
+    if failed[INVALID]:
+        raise RuntimeError(
+            f"deeppool: ranks {failed[INVALID]} could not bind their arguments to the planned forward "
+            "(their own error says why), so no rank runs it"
+        )
+    if failed[GUARD_FAILED]:
+        raise GuardError(f"deeppool: a captured branch no longer holds on ranks {failed[GUARD_FAILED]}")
+    if len({row[1] for row in rows}) > 1:
+        raise ValueError(
+            "ranks called the planned forward with different per-sample shapes, dtypes or arguments in "
+            "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
+            f"same per-sample shape (this rank: {call.signature})"
+        )
+    if shared and len({(row[0], row[3]) for row in rows}) > 1:
+        raise ValueError(
+            "shared_batch=True needs every rank to read the same global batch, but the ranks' batches "
+            f"differ (samples per rank: {[row[0] for row in rows]}); give every rank the same data "
+            "in the same order (the strategy's sampler does; a custom sampler must too)"
+        )
+    samples = [(tuple(t.shape[1:]), t.dtype) for t in call.batch.values()]
+    if samples != captured_samples:
+        raise ValueError(
+            "the planned forward was captured for inputs of per-sample shapes and dtypes "
+            f"{captured_samples}; this step's inputs differ. "
+            "The captured graph is specialized to them: pad inputs to a fixed shape"
+        )
+    return shares(call.row[0], len(rows)) if shared else tuple(row[0] for row in rows)
