@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from lightning_deeppool.capture.codegen import CompiledLayer, compilable
 from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.planner.graph import LayerGraph
@@ -76,6 +77,9 @@ class CapturedGraph:
     guards: tuple[fx.Node, ...] = ()
     stochastic: bool = False
     batch_statistics: bool = False
+    _compiled: dict[str, Callable[[dict[str, Any]], tuple[Any, ...]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Graph inputs of a call: ``{input name: tensor}``. Raises ValueError naming what differs
@@ -110,9 +114,22 @@ class CapturedGraph:
         env: dict[str, Any] = {BATCH_SIZE: batch_size, **local}
         for source, nodes in code.reads:
             unpack(self, source, values[source], env, nodes)
-        for node in code.nodes:
-            env[node.name] = evaluate(self.module, node, env)
-        return tuple(env[output] for output in code.outputs)
+        run = self._compiled.get(name)
+        if run is None:
+            run = self._compiled[name] = self._compile(code)
+        return run(env)
+
+    def _compile(self, code: LayerCode) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+        """The layer as generated code where that runs it as the interpreter does, else interpreted."""
+        if compilable(code.nodes):
+            return CompiledLayer(self.module, code.nodes, code.outputs)
+
+        def interpreted(env: dict[str, Any]) -> tuple[Any, ...]:
+            for node in code.nodes:
+                env[node.name] = evaluate(self.module, node, env)
+            return tuple(env[output] for output in code.outputs)
+
+        return interpreted
 
     def run_guards(self, local: Mapping[str, Any]) -> None:
         """Check the branches the forward took at capture still hold (raises `GuardError`)."""
