@@ -37,7 +37,7 @@ from lightning_deeppool.planner.profile import (
     CommProfile,
     Profile,
 )
-from lightning_deeppool.planner.profiler import candidate_batch_sizes, profile_layers
+from lightning_deeppool.planner.profiler import candidate_batch_sizes, profile_layers, time_whole_model
 from lightning_deeppool.planner.search import search
 from lightning_deeppool.planner.simulate import (
     DEFAULT_BACKGROUND_EFFICIENCY,
@@ -186,7 +186,8 @@ def _measure(
     args: argparse.Namespace,
     device: torch.device,
 ) -> Profile:
-    """Each layer's forward+backward time at each per-device batch size, on `device`."""
+    """Each layer's forward+backward time at each per-device batch size, on `device`, calibrated by a
+    whole pass at the smallest (the full width's at the most devices)."""
 
     def progress(done: int, total: int) -> None:
         print(f"profiling layers {done}/{total}", end="\n" if done == total else "\r", flush=True)
@@ -206,7 +207,8 @@ def _measure(
         else f"cpu-{torch.get_num_threads()}threads"
     )
     dtype = str(next((p.dtype for p in captured.module.parameters()), torch.float32))
-    return Profile(captured.graph.fingerprint, name, dtype, layers)
+    whole = time_whole_model(captured, env, sizes[0], warmup=args.warmup, repeats=args.repeats, device=device)
+    return Profile(captured.graph.fingerprint, name, dtype, layers).calibrated(whole, sizes[0])
 
 
 def _with_comm(profile: Profile, args: argparse.Namespace) -> Profile:

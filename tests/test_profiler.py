@@ -3,13 +3,14 @@ import torch
 from torch import nn
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
-from lightning_deeppool.planner.profile import LayerProfile
+from lightning_deeppool.planner.profile import LayerProfile, Profile
 from lightning_deeppool.planner.profiler import (
     assign_layers,
     candidate_batch_sizes,
     merge_layer_profiles,
     profile_layers,
     time_optimizer_step,
+    time_whole_model,
 )
 
 SIZES = [1, 3, 6]
@@ -182,3 +183,35 @@ def test_optimizer_step_time_scales_to_every_element_when_sampling():
     full = time_optimizer_step([optimizer], repeats=5)
     sampled = time_optimizer_step([optimizer], max_elements=512 * 512, repeats=5)
     assert 0.2 * full < sampled < 5 * full
+
+
+def test_a_whole_pass_leaves_grads_and_running_stats_alone(net):
+    before = {name: b.clone() for name, b in net.named_buffers()}
+    captured, env = _capture(net)
+    assert time_whole_model(captured, env, 3, warmup=0, repeats=1) > 0
+    assert all(p.grad is None for p in net.parameters())
+    for name, b in net.named_buffers():
+        assert torch.equal(b, before[name]), name
+
+
+def test_a_whole_pass_takes_longer_on_more_samples():
+    captured = capture_graph(nn.Sequential(nn.Linear(512, 512), nn.ReLU()), (torch.randn(2, 512),))
+    env = captured.bind((torch.randn(2, 512),), {})
+    assert time_whole_model(captured, env, 512, repeats=3) > time_whole_model(captured, env, 1, repeats=3)
+
+
+def test_calibration_scales_layer_times_to_the_whole_pass():
+    layers = {"a": LayerProfile("a", (1, 4), (1.0, 3.0)), "b": LayerProfile("b", (1, 4), (0.5, 1.0))}
+    profile = Profile("f", "cpu", "float32", layers).calibrated(whole_s=6.0, batch_size=4)
+    assert profile.compute_scale == pytest.approx(1.5)
+    assert profile.layer("a").time(4) == pytest.approx(4.5)
+    assert profile.layer("b").time(1) == pytest.approx(0.75)
+    assert profile.layers["a"].seconds == (1.0, 3.0)  # the measurements are kept as measured
+
+
+def test_calibration_survives_json_and_older_profiles_load_unscaled():
+    layers = {"a": LayerProfile("a", (1,), (1.0,))}
+    profile = Profile("f", "cpu", "float32", layers).calibrated(whole_s=2.0, batch_size=1)
+    assert Profile.from_dict(profile.to_dict()) == profile
+    older = {key: value for key, value in profile.to_dict().items() if key != "compute_scale"}
+    assert Profile.from_dict(older).compute_scale == 1.0

@@ -58,6 +58,10 @@ class LayerProfile:
         return _interpolate(self.name, "memory", self.batch_sizes, self.peak_bytes, batch_size)
 
 
+def _scaled(layer: LayerProfile, factor: float) -> LayerProfile:
+    return layer if factor == 1.0 else replace(layer, seconds=tuple(s * factor for s in layer.seconds))
+
+
 def nondecreasing(values: tuple[float, ...] | list[float]) -> list[float]:
     """The least-squares non-decreasing fit of `values` (pool adjacent violators)."""
     blocks: list[list[float]] = []  # [mean, count]
@@ -202,7 +206,8 @@ class Profile:
     """Everything the cost model needs about one model on one kind of device.
 
     `optimizer_s` is one optimizer update of every parameter on one device: rank 0 owns every layer,
-    so every plan (and DDP) pays it once per step.
+    so every plan (and DDP) pays it once per step. `compute_scale` is a whole forward+backward pass
+    over the sum of its layers' times (see `calibrated`); the planner reads layer times scaled by it.
     """
 
     graph_fingerprint: str
@@ -211,11 +216,23 @@ class Profile:
     layers: dict[str, LayerProfile]
     comm: CommProfile = field(default_factory=CommProfile)
     optimizer_s: float = 0.0
+    compute_scale: float = 1.0
     version: int = PROFILE_VERSION
 
+    def __post_init__(self) -> None:
+        if not self.compute_scale > 0:
+            raise ValueError(f"compute_scale must be > 0, got {self.compute_scale}")
+
+    def calibrated(self, whole_s: float, batch_size: int) -> Profile:
+        """This profile, its layer times scaled to a measured whole pass: `whole_s` seconds of every
+        layer's forward and backward at `batch_size`. Layers timed alone miss what a pass adds (cold
+        caches, the autograd graph between layers, other ranks computing at the same time)."""
+        fitted = sum(layer.fitted().time(batch_size) for layer in self.layers.values())
+        return replace(self, compute_scale=whole_s / fitted) if fitted > 0 and whole_s > 0 else self
+
     def layer(self, name: str) -> LayerProfile:
-        """A layer's profile as the planner reads it: fitted to be non-decreasing in the batch size
-        (`layers` keeps the raw measurements)."""
+        """A layer's profile as the planner reads it: fitted to be non-decreasing in the batch size and
+        scaled by `compute_scale` (`layers` keeps the raw measurements)."""
         try:
             return self._fitted[name]
         except KeyError:
@@ -223,7 +240,7 @@ class Profile:
 
     @cached_property
     def _fitted(self) -> dict[str, LayerProfile]:
-        return {name: layer.fitted() for name, layer in self.layers.items()}
+        return {name: _scaled(layer.fitted(), self.compute_scale) for name, layer in self.layers.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -237,6 +254,7 @@ class Profile:
             },
             "comm": self.comm.to_dict(),
             "optimizer_s": self.optimizer_s,
+            "compute_scale": self.compute_scale,
         }
 
     @classmethod
@@ -259,6 +277,7 @@ class Profile:
             layers=layers,
             comm=CommProfile.from_dict(data["comm"]),
             optimizer_s=float(data["optimizer_s"]),
+            compute_scale=float(data.get("compute_scale", 1.0)),
         )
 
     def save(self, path: str | Path) -> None:

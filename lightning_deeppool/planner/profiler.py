@@ -135,6 +135,51 @@ def _profile_layer(
     return LayerProfile(name, tuple(sizes), seconds, measured_peaks or None)
 
 
+def time_whole_model(
+    captured: CapturedGraph,
+    env: dict[str, Any],
+    batch_size: int,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: torch.device | str | None = None,
+) -> float:
+    """Median forward+backward seconds of every layer in one pass, at `batch_size` (arguments as
+    `profile_layers`). Layers timed alone run with warm caches and without the autograd graph around
+    them; a whole pass shows how far their sum falls short of a step."""
+    gm = captured.module
+    device = torch.device(device) if device is not None else _module_device(gm)
+    env = {name: _to_device(value, device) for name, value in env.items()}
+    local = {name: env[name] for name in captured.local_inputs}
+    trainable = [p for p in gm.parameters() if p.requires_grad]
+    with preserved(gm, device), torch.enable_grad():
+        samples = _two_samples(captured, env, local)
+        leaves = {
+            name: pytree.tree_map(_leaf_input, repeat_sample(samples[name], captured.meta[name], batch_size))
+            for name in captured.batch_inputs
+        }
+        wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
+
+        def run(inputs: dict[str, Any]) -> None:
+            values = captured.run_all(inputs, batch_size, local)
+            outputs = [
+                leaf
+                for name in captured.graph.outputs
+                for leaf in pytree.tree_leaves(values[name])
+                if _needs_grad(leaf)
+            ]
+            if outputs and wrt + trainable:
+                upstream = [torch.ones_like(out) for out in outputs]
+                torch.autograd.grad(outputs, wrt + trainable, upstream, allow_unused=True)
+
+        _failing_as("(whole model)", batch_size, functools.partial(_warm_up, run, leaves, device, warmup))
+        times = [
+            _failing_as("(whole model)", batch_size, functools.partial(_timed_once, run, leaves, device))
+            for _ in range(repeats)
+        ]
+    return statistics.median(times)
+
+
 def _failing_as(name: str, batch_size: int, fn: Callable[[], Any]) -> Any:
     try:
         return fn()

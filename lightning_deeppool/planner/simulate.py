@@ -191,7 +191,8 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
     )
     lines = [
         f"compute: profiled on {profile.device} ({profile.dtype}); times between profiled batch sizes "
-        "interpolated",
+        f"interpolated; layer times scaled by {profile.compute_scale:.2f} (a whole pass over the sum of "
+        "its layers)",
         f"point-to-point: {_describe(comm.redistribute or comm.link)}"
         + (" (measured)" if comm.redistribute is not None else ""),
         f"collectives: {_describe(comm.collective or comm.link)} per link, unless measured; gradients in "

@@ -137,6 +137,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._between_steps_loop: Any = None
         self.step_times = StepTimes()
         self.measured_step_time_s: float | None = None
+        self.measured_work_time_s: float | None = None  # the plan's part of it (see `report`)
 
     @property
     @override
@@ -214,10 +215,14 @@ class DeepPoolStrategy(DDPStrategy):
         if self.installation is None:
             return
         self.measured_step_time_s = self.step_times.median_s()
+        self.measured_work_time_s = self.step_times.median_work_s()
         if self.global_rank == 0:
             plan = self.installation.plan
+            steps = len(self.step_times.seconds)
             print(
-                summary(self.measured_step_time_s, plan.predicted_step_time_s, len(self.step_times.seconds))
+                summary(
+                    self.measured_step_time_s, self.measured_work_time_s, plan.predicted_step_time_s, steps
+                )
             )
 
     def _refresh_parameters(self) -> None:
@@ -268,7 +273,7 @@ class DeepPoolStrategy(DDPStrategy):
         """Backward, then synchronize the gradients it produced (unless accumulating)."""
         if self._calls is not None:
             self._calls.before_backward(last=self._sync_gradients)
-        with self._blocked():
+        with self.step_times.work(), self._blocked():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             if self._sync_gradients and self._calls is not None:
                 self._calls.sync_gradients()
@@ -295,14 +300,16 @@ class DeepPoolStrategy(DDPStrategy):
         calls = self._calls
 
         def closure_then_sync() -> Any:
-            result = closure()
+            with self.step_times.outside_work():  # training_step: its planned calls count themselves
+                result = closure()
             if calls is not None:
                 calls.check_installed()
                 with self._blocked():
                     calls.sync_gradients(optimizer)
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        with self.step_times.work():
+            output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         if calls is not None:
             calls.after_optimizer_step()
         return output

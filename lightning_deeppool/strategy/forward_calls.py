@@ -52,14 +52,16 @@ class ForwardCalls:
         if not self.in_training_step:
             return self._local(args, kwargs)
         if self.agreement is None:  # a rank alone (one device): every call of its training step is planned
-            return self._planned(args, kwargs)
+            with self.strategy.step_times.work():
+                return self._planned(args, kwargs)
         # Once installed, a call's rows travel with the agreement: no collective before it runs.
         installation = self.strategy.installation
-        call = installation.runtime.prepare(args, kwargs) if installation is not None else None
-        rows = self.agreement.agree(call_site(), call.row if call is not None else ())
-        if rows is None:
-            return self._local(args, kwargs)
-        return self._planned(args, kwargs, call, rows)
+        with self.strategy.step_times.work():
+            call = installation.runtime.prepare(args, kwargs) if installation is not None else None
+            rows = self.agreement.agree(call_site(), call.row if call is not None else ())
+            if rows is not None:
+                return self._planned(args, kwargs, call, rows)
+        return self._local(args, kwargs)
 
     @contextmanager
     def training_step(self) -> Iterator[None]:

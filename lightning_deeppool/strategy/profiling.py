@@ -6,6 +6,7 @@ one rank (out of memory while timing, say) stops every rank (see `agree`).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.planner.cache import load_cached_profile, profile_cache_key, save_cached_profile
+from lightning_deeppool.planner.cost import per_device_batch
 from lightning_deeppool.planner.profile import Profile
 from lightning_deeppool.planner.profiler import (
     assign_layers,
@@ -23,6 +25,7 @@ from lightning_deeppool.planner.profiler import (
     merge_layer_profiles,
     profile_layers,
     time_optimizer_step,
+    time_whole_model,
 )
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.measure import measure_comm
@@ -68,6 +71,13 @@ def profile_on_ranks(
     )
     parts: list[Any] = [None] * world_size
     dist.all_gather_object(parts, part)
+    # Every rank times a whole pass at the same time, as data parallelism would run it.
+    batch = per_device_batch(global_batch_size, world_size)
+    whole = on_every_rank(
+        lambda: time_whole_model(captured, env, batch, warmup=warmup, repeats=repeats, device=device)
+    )
+    wholes: list[Any] = [None] * world_size
+    dist.all_gather_object(wholes, whole)
     profile = Profile(
         graph_fingerprint=graph.fingerprint,
         device=device_name,
@@ -75,7 +85,7 @@ def profile_on_ranks(
         layers=merge_layer_profiles(parts),
         comm=measure_comm(device=device),
         optimizer_s=on_rank_zero(lambda: time_optimizer_step(optimizers)),
-    )
+    ).calibrated(statistics.mean(wholes), batch)
     if cache_dir is not None and rank == 0:
         save_cached_profile(cache_dir, key, profile)
     return profile
