@@ -323,8 +323,12 @@ def _measure(model_name: str, runs: int, steps: int) -> dict:
                 out = Path(tmp) / f"{config}-{run}"
                 cmd = [sys.executable, __file__, "--model", model_name, "--run", config]
                 cmd += ["--steps", str(steps), "--out", str(out)]
-                subprocess.run(cmd, check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL)
+                done = subprocess.run(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL)
                 files = sorted(Path(tmp).glob(f"{config}-{run}.rank*.json"))
+                if len(files) < 2:  # a crash at exit, after both ranks wrote their results, is harmless
+                    raise RuntimeError(
+                        f"{model_name} {config} run {run} failed (exit code {done.returncode})"
+                    )
                 ranks = [json.loads(p.read_text()) for p in files]
                 samples[config].append({"ranks": ranks})
                 times = ", ".join(f"{r['step_time_s'] * 1e3:.1f} ms" for r in ranks)

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
-from lightning_deeppool.planner.profile import LayerProfile, Profile
+from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner.profiler import (
     assign_layers,
     candidate_batch_sizes,
@@ -215,3 +215,18 @@ def test_calibration_survives_json_and_older_profiles_load_unscaled():
     assert Profile.from_dict(profile.to_dict()) == profile
     older = {key: value for key, value in profile.to_dict().items() if key != "compute_scale"}
     assert Profile.from_dict(older).compute_scale == 1.0
+
+
+def test_all_reduce_calibration_scales_the_modelled_time_to_the_measured_one():
+    comm = CommProfile(allreduce={2: AlphaBeta(1e-3, 1e-9)}, bucket_bytes=10**6)
+    assert comm.allreduce_time(2, 2 * 10**6) == pytest.approx(2e-3 + 2e-3)
+    calibrated = comm.calibrated(measured_s=1.2e-2, group_size=2, nbytes=2 * 10**6)
+    assert calibrated.allreduce_scale == pytest.approx(3.0)
+    assert calibrated.allreduce_time(2, 10**6) == pytest.approx(3 * 2e-3)
+    assert CommProfile.from_dict(calibrated.to_dict()) == calibrated
+
+
+def test_profiles_without_an_all_reduce_scale_load_unscaled():
+    data = CommProfile().to_dict()
+    del data["allreduce_scale"]
+    assert CommProfile.from_dict(data).allreduce_scale == 1.0

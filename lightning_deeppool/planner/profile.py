@@ -123,7 +123,8 @@ class CommProfile:
     layer. Group sizes without a measurement use the faster (for a full bucket) of a ring, ``2(k-1)``
     latencies and ``2(k-1)/k`` of the bytes per link, and a tree, ``2 log2 k`` latencies and twice
     the bytes, on per-link figures derived from the nearest measured size, else from
-    `collective`/`link`.
+    `collective`/`link`. `allreduce_scale` is the all-reduce of a training pass's gradients as measured
+    (freshly written, each in its bucket, see `calibrated`) over what this model predicts for it.
     """
 
     link: AlphaBeta = field(
@@ -134,6 +135,7 @@ class CommProfile:
     measured: bool = False
     collective: AlphaBeta | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    allreduce_scale: float = 1.0
 
     def allreduce_time(self, group_size: int, nbytes: float) -> float:
         """Seconds `nbytes` of gradients add to the bucketed all-reduces among `group_size` devices
@@ -141,7 +143,16 @@ class CommProfile:
         if group_size <= 1 or nbytes <= 0:
             return 0.0
         call = self.allreduce_call(group_size)
-        return call.latency_s * nbytes / self.bucket_bytes + call.seconds_per_byte * nbytes
+        return (
+            call.latency_s * nbytes / self.bucket_bytes + call.seconds_per_byte * nbytes
+        ) * self.allreduce_scale
+
+    def calibrated(self, measured_s: float, group_size: int, nbytes: float) -> CommProfile:
+        """This model, its all-reduces scaled to `measured_s` seconds measured for `nbytes` of a training
+        pass's gradients among `group_size` devices. A message timed alone reuses one warm buffer; a
+        step's gradients are written afresh, and the ranks meet after computing, not in lockstep."""
+        predicted = replace(self, allreduce_scale=1.0).allreduce_time(group_size, nbytes)
+        return replace(self, allreduce_scale=measured_s / predicted) if predicted > 0 else self
 
     def allreduce_call(self, group_size: int) -> AlphaBeta:
         """One all-reduce call among `group_size` devices: its latency and its seconds per byte."""
@@ -180,6 +191,7 @@ class CommProfile:
             "measured": self.measured,
             "collective": asdict(self.collective) if self.collective else None,
             "bucket_bytes": self.bucket_bytes,
+            "allreduce_scale": self.allreduce_scale,
         }
 
     @classmethod
@@ -192,6 +204,7 @@ class CommProfile:
             measured=data["measured"],
             collective=AlphaBeta(**collective) if collective else None,
             bucket_bytes=int(data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
+            allreduce_scale=float(data.get("allreduce_scale", 1.0)),
         )
 
 

@@ -143,10 +143,12 @@ def time_whole_model(
     warmup: int = 2,
     repeats: int = 5,
     device: torch.device | str | None = None,
+    reduce: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> float:
     """Median forward+backward seconds of every layer in one pass, at `batch_size` (arguments as
-    `profile_layers`). Layers timed alone run with warm caches and without the autograd graph around
-    them; a whole pass shows how far their sum falls short of a step."""
+    `profile_layers`), then `reduce` of the parameters' gradients if given. Layers timed alone run
+    with warm caches and without the autograd graph around them; a whole pass shows how far their
+    sum falls short of a step."""
     gm = captured.module
     device = torch.device(device) if device is not None else _module_device(gm)
     env = {name: _to_device(value, device) for name, value in env.items()}
@@ -170,7 +172,9 @@ def time_whole_model(
             ]
             if outputs and wrt + trainable:
                 upstream = [torch.ones_like(out) for out in outputs]
-                torch.autograd.grad(outputs, wrt + trainable, upstream, allow_unused=True)
+                grads = torch.autograd.grad(outputs, wrt + trainable, upstream, allow_unused=True)
+                if reduce is not None:
+                    reduce([g for g in grads[len(wrt) :] if g is not None])
 
         _failing_as("(whole model)", batch_size, functools.partial(_warm_up, run, leaves, device, warmup))
         times = [

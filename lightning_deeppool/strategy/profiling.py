@@ -6,6 +6,7 @@ one rank (out of memory while timing, say) stops every rank (see `agree`).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +30,11 @@ from lightning_deeppool.planner.profiler import (
 )
 from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.measure import measure_comm
+from lightning_deeppool.strategy.schedule import FIRST_BUCKET_BYTES
+
+# Gradients whose modelled all-reduce is below this share of a pass are lost in its timing noise:
+# their all-reduce model stays as measured alone.
+MEASURABLE_SHARE = 0.05
 
 
 def profile_on_ranks(
@@ -71,24 +77,61 @@ def profile_on_ranks(
     )
     parts: list[Any] = [None] * world_size
     dist.all_gather_object(parts, part)
-    # Every rank times a whole pass at the same time, as data parallelism would run it.
+    comm = measure_comm(device=device)
+    # Every rank times whole passes at the same time, as data parallelism runs them: without and with
+    # the all-reduce of their gradients.
     batch = per_device_batch(global_batch_size, world_size)
-    whole = on_every_rank(
-        lambda: time_whole_model(captured, env, batch, warmup=warmup, repeats=repeats, device=device)
-    )
-    wholes: list[Any] = [None] * world_size
-    dist.all_gather_object(wholes, whole)
+
+    def whole(reduce: Callable[[list[torch.Tensor]], None] | None) -> float:
+        return _mean_over_ranks(
+            lambda: time_whole_model(
+                captured, env, batch, warmup=warmup, repeats=repeats, device=device, reduce=reduce
+            )
+        )
+
+    plain = whole(None)
+    reduced = whole(functools.partial(_all_reduce_in_buckets, bucket_bytes=comm.bucket_bytes))
+    grad_bytes = sum(p.numel() * p.element_size() for p in captured.module.parameters() if p.requires_grad)
+    if comm.allreduce_time(world_size, grad_bytes) > MEASURABLE_SHARE * plain and reduced > plain:
+        comm = comm.calibrated(reduced - plain, world_size, grad_bytes)
     profile = Profile(
         graph_fingerprint=graph.fingerprint,
         device=device_name,
         dtype=dtype,
         layers=merge_layer_profiles(parts),
-        comm=measure_comm(device=device),
+        comm=comm,
         optimizer_s=on_rank_zero(lambda: time_optimizer_step(optimizers)),
-    ).calibrated(statistics.mean(wholes), batch)
+    ).calibrated(plain, batch)
     if cache_dir is not None and rank == 0:
         save_cached_profile(cache_dir, key, profile)
     return profile
+
+
+def _mean_over_ranks(measure: Callable[[], float]) -> float:
+    """Every rank's measurement (taken at the same time), averaged; collective."""
+    mine = on_every_rank(measure)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return statistics.mean(every)
+
+
+def _all_reduce_in_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> None:
+    """All-reduce gradients as the runtime does: in reverse order, in buckets (the first one small),
+    a gradient as large as a bucket alone; launched together, then waited for."""
+    works, chunk, size = [], [], 0
+    limit = min(bucket_bytes, FIRST_BUCKET_BYTES)
+    for grad in reversed(grads):
+        chunk.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= limit:
+            flat = chunk[0].view(-1) if len(chunk) == 1 else torch.cat([g.reshape(-1) for g in chunk])
+            works.append(dist.all_reduce(flat, async_op=True))
+            chunk, size, limit = [], 0, bucket_bytes
+    if chunk:
+        works.append(dist.all_reduce(torch.cat([g.reshape(-1) for g in chunk]), async_op=True))
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def _device_name(device: torch.device) -> str:
