@@ -105,3 +105,26 @@ def test_a_call_some_ranks_make_runs_locally_on_each_of_them():
         [False, True],
         [True],
     ]
+
+
+def test_a_rank_arriving_after_its_peer_moved_on_runs_the_call_locally_too(monkeypatch):
+    monkeypatch.setattr(calls, "BLOCKED_GRACE_S", 0.2)
+    released = threading.Event()
+
+    def rank_zero(agreement: CallAgreement) -> list[bool]:
+        agreement.begin_step()
+        decided = [agreement.agree("log") is not None]  # rank 1 is blocked: local after the grace
+        released.set()
+        decided.append(agreement.agree("loss") is not None)
+        agreement.end_step()
+        return decided
+
+    def rank_one(agreement: CallAgreement) -> list[bool]:
+        agreement.begin_step()
+        with agreement.blocked():
+            released.wait(timeout=10)
+        decided = [agreement.agree(site) is not None for site in ("log", "loss")]
+        agreement.end_step()
+        return decided
+
+    assert _ranks(rank_zero, rank_one) == [[False, True], [False, True]]

@@ -78,10 +78,11 @@ class CallAgreement:
         key = f"{self.prefix}/{self.step}/{site}/{occurrence}"
         self.store.set(self._row_key(self.rank), f"{key}|{','.join(map(str, row))}")
         if self.store.add(f"{key}/n", 1) == self.world_size:
-            # Every rank set its row before it arrived, so all rows are this call's.
+            # Every rank set its row before it arrived; one that has set another since has moved on: it
+            # found this call decided local (after the grace for blocked ranks) before this rank came.
             found = [raw.decode().split("|") for raw in self.store.multi_get(self._row_keys())]
             if any(at != key for at, _ in found):
-                raise RuntimeError(f"deeppool: rows of another call than {key} in the call agreement")
+                return self._decide(key, "local")
             return self._decide(key, "collective|" + ";".join(text for _, text in found))
         self._post("wait", key)
         try:
