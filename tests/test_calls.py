@@ -56,6 +56,10 @@ def test_a_collective_call_gives_every_rank_every_ranks_row():
     assert _ranks(program, program, program) == [[(0, 10), (1, 11), (2, 12)]] * 3
 
 
+def test_a_place_whose_name_holds_the_separator_still_agrees():
+    assert _ranks(_step("dir|x/model.py:3"), _step("dir|x/model.py:3")) == [[True], [True]]
+
+
 def test_repeated_calls_at_one_place_pair_up_in_order():
     assert _ranks(_step("a", "a"), _step("a", "a")) == [[True, True], [True, True]]
 

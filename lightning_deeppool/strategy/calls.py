@@ -80,10 +80,10 @@ class CallAgreement:
         if self.store.add(f"{key}/n", 1) == self.world_size:
             # Every rank set its row before it arrived; one that has set another since has moved on: it
             # found this call decided local (after the grace for blocked ranks) before this rank came.
-            found = [raw.decode().split("|") for raw in self.store.multi_get(self._row_keys())]
-            if any(at != key for at, _ in found):
+            found = [raw.decode().rpartition("|") for raw in self.store.multi_get(self._row_keys())]
+            if any(at != key for at, _, _ in found):
                 return self._decide(key, "local")
-            return self._decide(key, "collective|" + ";".join(text for _, text in found))
+            return self._decide(key, "collective|" + ";".join(text for _, _, text in found))
         self._post("wait", key)
         try:
             return self._await(key, site)
