@@ -116,8 +116,10 @@ def _mean_over_ranks(measure: Callable[[], float]) -> float:
 
 
 def _all_reduce_in_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> None:
-    """All-reduce gradients as the runtime does: in reverse order, in buckets (the first one small),
-    a gradient as large as a bucket alone; launched together, then waited for."""
+    """All-reduce gradients about as the runtime does: in reverse order, in buckets that close once
+    they reach their size (the first one small), a bucket of one gradient in place; launched
+    together, then waited for. (The runtime's own buckets come from `schedule.plan_buckets`, which
+    needs a plan's stages.)"""
     works, chunk, size = [], [], 0
     limit = min(bucket_bytes, FIRST_BUCKET_BYTES)
     for grad in reversed(grads):
