@@ -19,7 +19,7 @@ import torch
 import torchmetrics
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 CLASSES = 4
 SEED = 7
@@ -192,6 +192,19 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
         "num_sanity_val_steps": 0,
         **overrides,
     }
+
+
+class Batches(IterableDataset):
+    """These batches, in order, on every rank that reads it (Lightning does not shard an iterable)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 def reference_loader(dataset: Dataset, global_batch: int, seed: int = SEED) -> DataLoader:

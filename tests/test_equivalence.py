@@ -2,7 +2,7 @@
 
 SGD with momentum (Adam would hide clipping bugs), gradient clipping by global norm, gradient
 accumulation; 2, 3 and 4 ranks; pinned plans that mix widths (non-powers of two too) and automatic
-plans; a short last batch.
+plans; a data-parallel plan (which runs as DDP does); a short last batch.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ CASES = {
     ),
     "concat-3-ranks-automatic-plan": Case(
         "concat", 3, None, trainer={"max_steps": 4, "gradient_clip_val": 0.5}
+    ),
+    "convnet-2-ranks-data-parallel-accumulate-clip-short-last-batch": Case(
+        "convnet",
+        2,
+        {"": 2},
+        samples=30,
+        trainer={"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.5},
+        expected_widths={"features_0": 2, "features_2": 2, "head": 2},
     ),
     "concat-2-ranks-short-last-batch": Case(
         "concat",

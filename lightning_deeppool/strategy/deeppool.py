@@ -271,11 +271,12 @@ class DeepPoolStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Backward, then synchronize the gradients it produced (unless accumulating)."""
-        if self._calls is not None:
-            self._calls.before_backward(last=self._sync_gradients)
+        if self._calls is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         with self.step_times.work(), self._blocked():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-            if self._sync_gradients and self._calls is not None:
+            with self._calls.backward(last=self._sync_gradients):
+                loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if self._sync_gradients:
                 self._calls.sync_gradients()
         return loss
 
@@ -317,7 +318,7 @@ class DeepPoolStrategy(DDPStrategy):
     @contextmanager
     def _blocked(self) -> Generator[None, None, None]:
         """This rank may wait for the others here (a collective)."""
-        agreement = self._calls.agreement if self._calls is not None else None
+        agreement = self._calls.meeting if self._calls is not None else None
         if agreement is None or not self._calls.in_training_step:  # type: ignore[union-attr]
             yield
             return

@@ -5,6 +5,10 @@ it. Any other call (a callback, a hook, validation, a call only some ranks make)
 forward on the rank that makes it. Rank 0 holds every parameter up to date; another rank holds only the
 layers it runs, so it refuses such a call once its other layers are stale (until validation or the end
 of fit refreshes them), and refuses to backpropagate through one into layers it does not hold.
+
+A data-parallel plan (every layer on every rank) runs as DDP does once installed: every call is the
+module's own forward on this rank's samples, with nothing to agree on, and the gradient buckets launch
+from the backward's own accumulation hooks.
 """
 
 from __future__ import annotations
@@ -51,11 +55,18 @@ class ForwardCalls:
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.in_training_step:
             return self._local(args, kwargs)
+        installation = self.strategy.installation
+        if installation is not None and installation.data_parallel:
+            with self.strategy.step_times.work():
+                installation.grad_sync.track_new_parameters()
+                outputs = self._original(*args, **kwargs)
+            if torch.is_grad_enabled():
+                self._pending += 1
+            return outputs
         if self.agreement is None:  # a rank alone (one device): every call of its training step is planned
             with self.strategy.step_times.work():
                 return self._planned(args, kwargs)
         # Once installed, a call's rows travel with the agreement: no collective before it runs.
-        installation = self.strategy.installation
         with self.strategy.step_times.work():
             call = installation.runtime.prepare(args, kwargs) if installation is not None else None
             rows = self.agreement.agree(call_site(), call.row if call is not None else ())
@@ -63,17 +74,24 @@ class ForwardCalls:
                 return self._planned(args, kwargs, call, rows)
         return self._local(args, kwargs)
 
+    @property
+    def meeting(self) -> CallAgreement | None:
+        """The agreement this step's calls meet in: none alone, or under a data-parallel plan."""
+        installation = self.strategy.installation
+        return None if installation is not None and installation.data_parallel else self.agreement
+
     @contextmanager
     def training_step(self) -> Iterator[None]:
-        if self.agreement is not None:
-            self.agreement.begin_step()
+        meeting = self.meeting
+        if meeting is not None:
+            meeting.begin_step()
         self.in_training_step = True
         try:
             yield
         finally:
             self.in_training_step = False
-            if self.agreement is not None:
-                self.agreement.end_step()
+            if meeting is not None:
+                meeting.end_step()
 
     # ---------------------------------------------------------------------------------- calls
     def _planned(
@@ -153,12 +171,22 @@ class ForwardCalls:
             "training_step calls."
         )
 
-    def before_backward(self, last: bool) -> None:
-        """Buckets may launch during this backward only if it is the step's last and has one pass."""
+    @contextmanager
+    def backward(self, last: bool) -> Iterator[None]:
+        """A backward pass of the step. Buckets may launch during it only if it is the step's last and
+        has one pass."""
         installation = self.strategy.installation
-        if installation is not None:
-            installation.runtime.expect_last_pass(last and self._pending == 1 and installation.settled)
+        armed = installation is not None and last and self._pending == 1 and installation.settled
         self._pending = 0
+        if installation is None:
+            yield
+        elif installation.data_parallel:  # one autograd graph: each parameter accumulates once
+            installation.grad_sync.arm(armed, once=True)
+            with installation.grad_sync.in_stage():
+                yield
+        else:
+            installation.runtime.expect_last_pass(armed)
+            yield
 
     def sync_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         installation = self.strategy.installation

@@ -58,6 +58,7 @@ class GradSync:
         self._in_flight: set[str] = set()
         self._in_stage = False
         self._armed = False
+        self._once = False
         self._missing: list[int] = []
         self._next = 0
         self._pending: list[tuple[dist.Work | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
@@ -99,7 +100,7 @@ class GradSync:
 
     def _after_accumulate(self, name: str) -> Callable[[Any], None]:
         def hook(_: Any) -> None:
-            if self._armed and self._uses.get(name, 1) == 1 and self._in_stage:
+            if self._armed and self._single_use(name) and self._in_stage:
                 position = self._bucket_of.get(name)
                 if position is not None:
                     self._missing[position] -= 1
@@ -120,15 +121,21 @@ class GradSync:
         return set(self._fresh)
 
     # ------------------------------------------------------------------------ overlapped launches
-    def arm(self, armed: bool) -> None:
-        """Start a backward pass; if `armed`, it is the step's last: launch buckets as they complete."""
+    def arm(self, armed: bool, *, once: bool = False) -> None:
+        """Start a backward pass; if `armed`, it is the step's last: launch buckets as they complete.
+        With `once`, the pass is one autograd graph, where a parameter shared by layers accumulates
+        once (not once per stage): its hook makes it final too."""
         self._armed = armed
+        self._once = once
         self._next = 0
         self._missing = [
-            sum(1 for n in b.params if self._uses.get(n, 1) == 1 and self.params[n].requires_grad)
-            + any(self._uses.get(n, 1) > 1 for n in b.params)
+            sum(1 for n in b.params if self._single_use(n) and self.params[n].requires_grad)
+            + any(not self._single_use(n) for n in b.params)
             for b in self.buckets
         ]
+
+    def _single_use(self, name: str) -> bool:
+        return self._once or self._uses.get(name, 1) == 1
 
     def launch_through(self, bucket: Bucket) -> None:
         """The schedule's `sync`: in an armed pass, launch every bucket up to this one."""

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
 from lightning_deeppool.planner.cache import default_cache_dir
+from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.profile import Profile
 from lightning_deeppool.planner.search import search
@@ -219,6 +220,12 @@ class Installation:
         grad_sync.waiting = runtime.idle_window
         names = {id(p): name for name, p in {**params, **unplanned}.items()}
         return cls(plan, captured, schedule, groups, runtime, grad_sync, names, widths)
+
+    @property
+    def data_parallel(self) -> bool:
+        """Every layer runs on every rank's own samples: the plan is data parallelism."""
+        home = Placement(self.schedule.world_size)
+        return not self.runtime.shared and all(stage.placement == home for stage in self.schedule.stages)
 
     def owns_everything(self, rank: int) -> bool:
         return all(rank < width for width in self.widths.values())
