@@ -50,6 +50,7 @@ def test_mixed_precision_on_one_gpu_trains_like_lightnings_ddp(precision: str):
 
 
 def _nccl_gradients(rank: int) -> float:
+    from lightning_deeppool.strategy.grad_sync import GradSync
     from lightning_deeppool.strategy.groups import PlanGroups
     from lightning_deeppool.strategy.runtime import BurstRuntime
     from lightning_deeppool.strategy.schedule import build_schedule
@@ -66,11 +67,14 @@ def _nccl_gradients(rank: int) -> float:
     sizes = {n: p.numel() * p.element_size() for n, p in params.items()}
     schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, 2)
     groups = PlanGroups([*schedule.param_widths.values(), 2], 2)
+    buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
+    local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
+    grad_sync = GradSync(params, groups, 2, buckets, local=local)
     runtime = BurstRuntime(
-        captured, schedule, rank=rank, device=torch.device("cuda", rank), groups=groups, params=params
+        captured, schedule, rank=rank, device=torch.device("cuda", rank), grad_sync=grad_sync
     )
-    local = x[rank * 4 : (rank + 1) * 4]
-    (runtime.forward(local).square().mean() * 0.5).backward()
+    runtime.forward(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()  # a DDP rank's loss
+    grad_sync.sync()
     reference_grads = dict(reference.named_parameters())
     error = max(
         (p.grad - reference_grads[n].grad).abs().max().item()

@@ -41,6 +41,19 @@ def test_plan_records_widths_costs_and_both_predictions():
     assert plan.predicted_ddp_step_time_s > 0
 
 
+def test_the_ranks_wait_is_paid_once_a_step_by_the_plan_and_by_ddp():
+    graph = chain(3, params=1000)
+    profile = linear_profile(graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8)
+    waiting = replace(profile, comm=replace(profile.comm, sync_wait_s=2e-3))
+    widths = {"l0": 4, "l1": 1, "l2": 2}
+    plain = plan_with_widths(graph, profile, widths, **SIZES, amplification_limit=2.0)
+    plan = plan_with_widths(graph, waiting, widths, **SIZES, amplification_limit=2.0)
+    assert plan.predicted_step_time_s == pytest.approx(plain.predicted_step_time_s + 2e-3)
+    assert plan.predicted_ddp_step_time_s == pytest.approx(plain.predicted_ddp_step_time_s + 2e-3)
+    assert "the ranks' wait for each other, 2.000 ms" in plan.table()
+    assert Plan.from_json(plan.to_json()) == plan
+
+
 def test_json_round_trip_is_exact():
     plan, _ = make_plan()
     assert Plan.from_json(plan.to_json()) == plan
@@ -62,6 +75,7 @@ def test_json_has_the_documented_keys():
         "world_size",
         "global_batch_size",
         "optimizer_s",
+        "sync_wait_s",
         "amplification_limit",
         "predicted_step_time_s",
         "predicted_ddp_step_time_s",

@@ -220,13 +220,29 @@ def test_calibration_survives_json_and_older_profiles_load_unscaled():
 def test_all_reduce_calibration_scales_the_modelled_time_to_the_measured_one():
     comm = CommProfile(allreduce={2: AlphaBeta(1e-3, 1e-9)}, bucket_bytes=10**6)
     assert comm.allreduce_time(2, 2 * 10**6) == pytest.approx(2e-3 + 2e-3)
-    calibrated = comm.calibrated(measured_s=1.2e-2, group_size=2, nbytes=2 * 10**6)
+    calibrated = comm.calibrated(measured_s=1.2e-2, group_size=2, nbytes=2 * 10**6, pass_s=2e-2)
     assert calibrated.allreduce_scale == pytest.approx(3.0)
     assert calibrated.allreduce_time(2, 10**6) == pytest.approx(3 * 2e-3)
+    assert calibrated.sync_wait_s == 0.0
     assert CommProfile.from_dict(calibrated.to_dict()) == calibrated
+
+
+def test_what_a_small_all_reduce_cannot_explain_is_the_ranks_wait_once_a_step():
+    comm = CommProfile(allreduce={2: AlphaBeta(1e-3, 1e-9)}, bucket_bytes=10**6)
+    # 4 ms modelled, a fifth of a 20 ms pass is the limit: at a 100 ms pass the bytes explain nothing
+    calibrated = comm.calibrated(measured_s=1.2e-2, group_size=2, nbytes=2 * 10**6, pass_s=0.1)
+    assert calibrated.allreduce_scale == 1.0
+    assert calibrated.sync_wait_s == pytest.approx(8e-3)
+    assert CommProfile.from_dict(calibrated.to_dict()) == calibrated
+
+
+def test_an_all_reduce_measured_below_its_model_leaves_the_model_alone():
+    comm = CommProfile(allreduce={2: AlphaBeta(1e-3, 1e-9)}, bucket_bytes=10**6)
+    assert comm.calibrated(measured_s=1e-3, group_size=2, nbytes=2 * 10**6, pass_s=2e-2) == comm
 
 
 def test_profiles_without_an_all_reduce_scale_load_unscaled():
     data = CommProfile().to_dict()
-    del data["allreduce_scale"]
+    del data["allreduce_scale"], data["sync_wait_s"]
     assert CommProfile.from_dict(data).allreduce_scale == 1.0
+    assert CommProfile.from_dict(data).sync_wait_s == 0.0

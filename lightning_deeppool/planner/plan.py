@@ -49,7 +49,8 @@ class Plan:
     """Placements of every layer (execution order) for one graph, world size and global batch size.
 
     The predicted step times are the sum of the layers' costs plus `optimizer_s`, the update of every
-    parameter that rank 0 (which owns every layer) does each step.
+    parameter that rank 0 (which owns every layer) does each step, and `sync_wait_s`, the ranks' wait
+    for each other (see `CommProfile`).
     """
 
     world_size: int
@@ -60,6 +61,7 @@ class Plan:
     graph_fingerprint: str
     layers: tuple[LayerPlan, ...]
     optimizer_s: float = 0.0
+    sync_wait_s: float = 0.0
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -108,6 +110,7 @@ class Plan:
             "predicted_ddp_step_time_s": self.predicted_ddp_step_time_s,
             "graph_fingerprint": self.graph_fingerprint,
             "optimizer_s": self.optimizer_s,
+            "sync_wait_s": self.sync_wait_s,
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -128,6 +131,7 @@ class Plan:
             graph_fingerprint=str(data["graph_fingerprint"]),
             layers=tuple(LayerPlan(**layer) for layer in data["layers"]),
             optimizer_s=float(data.get("optimizer_s", 0.0)),
+            sync_wait_s=float(data.get("sync_wait_s", 0.0)),
         )
 
     def to_json(self) -> str:
@@ -181,11 +185,15 @@ class Plan:
             ]
             return "  ".join(cells).rstrip()
 
-        optimizer = (
-            f"; both include the optimizer update, {self.optimizer_s * 1e3:.3f} ms"
-            if self.optimizer_s
-            else ""
-        )
+        per_step = [
+            f"{what}, {seconds * 1e3:.3f} ms"
+            for what, seconds in (
+                ("the optimizer update", self.optimizer_s),
+                ("the ranks' wait for each other", self.sync_wait_s),
+            )
+            if seconds
+        ]
+        optimizer = f"; both include {' and '.join(per_step)}" if per_step else ""
         footer = [
             f"predicted step time {self.predicted_step_time_s * 1e3:.3f} ms vs DDP "
             f"{self.predicted_ddp_step_time_s * 1e3:.3f} ms: speedup {self.speedup:.2f}x "
@@ -299,9 +307,10 @@ def plan_with_widths(
         world_size=world_size,
         global_batch_size=global_batch_size,
         amplification_limit=float(amplification_limit),
-        predicted_step_time_s=step.total_s + profile.optimizer_s,
-        predicted_ddp_step_time_s=ddp.total_s + profile.optimizer_s,
+        predicted_step_time_s=step.total_s + profile.per_step_s,
+        predicted_ddp_step_time_s=ddp.total_s + profile.per_step_s,
         optimizer_s=profile.optimizer_s,
+        sync_wait_s=profile.comm.sync_wait_s,
         graph_fingerprint=graph.fingerprint,
         layers=tuple(
             LayerPlan(

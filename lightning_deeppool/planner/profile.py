@@ -109,6 +109,10 @@ DEFAULT_LATENCY_S = 20e-6
 DEFAULT_BANDWIDTH_BYTES_PER_S = 20e9
 # Gradients are all-reduced in buckets of this size (the strategy's `bucket_mb`).
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# Gradients whose modelled all-reduce is below this share of a pass cannot explain what the pass's
+# all-reduce measured beyond it (the difference of two noisy pass times, and the ranks' lag): their
+# all-reduce model stays as measured alone.
+MEASURABLE_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,9 @@ class CommProfile:
     latencies and ``2(k-1)/k`` of the bytes per link, and a tree, ``2 log2 k`` latencies and twice
     the bytes, on per-link figures derived from the nearest measured size, else from
     `collective`/`link`. `allreduce_scale` is the all-reduce of a training pass's gradients as measured
-    (freshly written, each in its bucket, see `calibrated`) over what this model predicts for it.
+    (freshly written, each in its bucket, see `calibrated`) over what this model predicts for it, where
+    that all-reduce is a large enough share of a pass for its bytes to explain the difference;
+    elsewhere the difference is `sync_wait_s`: the ranks waiting for each other once a step.
     """
 
     link: AlphaBeta = field(
@@ -136,6 +142,7 @@ class CommProfile:
     collective: AlphaBeta | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     allreduce_scale: float = 1.0
+    sync_wait_s: float = 0.0
 
     def allreduce_time(self, group_size: int, nbytes: float) -> float:
         """Seconds `nbytes` of gradients add to the bucketed all-reduces among `group_size` devices
@@ -147,12 +154,18 @@ class CommProfile:
             call.latency_s * nbytes / self.bucket_bytes + call.seconds_per_byte * nbytes
         ) * self.allreduce_scale
 
-    def calibrated(self, measured_s: float, group_size: int, nbytes: float) -> CommProfile:
-        """This model, its all-reduces scaled to `measured_s` seconds measured for `nbytes` of a training
-        pass's gradients among `group_size` devices. A message timed alone reuses one warm buffer; a
-        step's gradients are written afresh, and the ranks meet after computing, not in lockstep."""
+    def calibrated(self, measured_s: float, group_size: int, nbytes: float, pass_s: float) -> CommProfile:
+        """This model fitted to `measured_s`, what all-reducing `nbytes` of a training pass's gradients
+        among `group_size` devices added to a `pass_s` pass. A message timed alone reuses one warm
+        buffer; a step's gradients are written afresh, and the ranks meet after computing, not in
+        lockstep. Where the modelled all-reduce is at least `MEASURABLE_SHARE` of the pass, its times
+        are scaled; below, the bytes cannot explain a difference, which is the ranks' `sync_wait_s`."""
         predicted = replace(self, allreduce_scale=1.0).allreduce_time(group_size, nbytes)
-        return replace(self, allreduce_scale=measured_s / predicted) if predicted > 0 else self
+        if measured_s <= predicted:
+            return self
+        if predicted >= MEASURABLE_SHARE * pass_s:
+            return replace(self, allreduce_scale=measured_s / predicted)
+        return replace(self, sync_wait_s=measured_s - predicted)
 
     def allreduce_call(self, group_size: int) -> AlphaBeta:
         """One all-reduce call among `group_size` devices: its latency and its seconds per byte."""
@@ -192,6 +205,7 @@ class CommProfile:
             "collective": asdict(self.collective) if self.collective else None,
             "bucket_bytes": self.bucket_bytes,
             "allreduce_scale": self.allreduce_scale,
+            "sync_wait_s": self.sync_wait_s,
         }
 
     @classmethod
@@ -205,6 +219,7 @@ class CommProfile:
             collective=AlphaBeta(**collective) if collective else None,
             bucket_bytes=int(data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
             allreduce_scale=float(data.get("allreduce_scale", 1.0)),
+            sync_wait_s=float(data.get("sync_wait_s", 0.0)),
         )
 
 
@@ -242,6 +257,12 @@ class Profile:
         caches, the autograd graph between layers, other ranks computing at the same time)."""
         fitted = sum(layer.fitted().time(batch_size) for layer in self.layers.values())
         return replace(self, compute_scale=whole_s / fitted) if fitted > 0 and whole_s > 0 else self
+
+    @property
+    def per_step_s(self) -> float:
+        """What every plan pays once a step besides its layers: the optimizer update and the ranks'
+        wait for each other."""
+        return self.optimizer_s + self.comm.sync_wait_s
 
     def layer(self, name: str) -> LayerProfile:
         """A layer's profile as the planner reads it: fitted to be non-decreasing in the batch size and

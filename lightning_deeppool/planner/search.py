@@ -236,7 +236,7 @@ def _prefer_wide(
         total = cost.evaluate(
             graph, profile, candidate, world_size=world_size, global_batch_size=global_batch_size
         )
-        return total.total_s + profile.optimizer_s
+        return total.total_s + profile.per_step_s
 
     widest = Placement(min(world_size, global_batch_size))
     best = step(placements)

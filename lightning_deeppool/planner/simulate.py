@@ -197,7 +197,9 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
         + (" (measured)" if comm.redistribute is not None else ""),
         f"collectives: {_describe(comm.collective or comm.link)} per link, unless measured; gradients in "
         f"buckets of {comm.bucket_bytes / 2**20:g} MB; {algorithms or 'one device: none'}; all-reduce "
-        f"times scaled by {comm.allreduce_scale:.2f} (a training pass's gradients over messages timed alone)",
+        f"times scaled by {comm.allreduce_scale:.2f} (a training pass's gradients over messages timed "
+        f"alone); the ranks' wait for each other, {comm.sync_wait_s * 1e3:.3f} ms a step as measured, at "
+        "every device count",
         "not modelled: overlap of compute and communication, contention between concurrent transfers, "
         "topology (one link model for every pair of devices)",
     ]

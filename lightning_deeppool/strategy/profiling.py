@@ -32,10 +32,6 @@ from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.measure import measure_comm
 from lightning_deeppool.strategy.schedule import FIRST_BUCKET_BYTES
 
-# Gradients whose modelled all-reduce is below this share of a pass would be measured as the difference
-# of two noisy pass times (a few percent each): their all-reduce model stays as measured alone.
-MEASURABLE_SHARE = 0.2
-
 
 def profile_on_ranks(
     captured: CapturedGraph,
@@ -92,8 +88,7 @@ def profile_on_ranks(
     plain = whole(None)
     reduced = whole(functools.partial(_all_reduce_in_buckets, bucket_bytes=comm.bucket_bytes))
     grad_bytes = sum(p.numel() * p.element_size() for p in captured.module.parameters() if p.requires_grad)
-    if comm.allreduce_time(world_size, grad_bytes) > MEASURABLE_SHARE * plain and reduced > plain:
-        comm = comm.calibrated(reduced - plain, world_size, grad_bytes)
+    comm = comm.calibrated(reduced - plain, world_size, grad_bytes, plain)
     profile = Profile(
         graph_fingerprint=graph.fingerprint,
         device=device_name,
