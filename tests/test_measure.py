@@ -35,10 +35,11 @@ def test_measure_comm_fits_allreduce_and_redistribution(two_ranks):
     assert comm.redistribute is not None and comm.link == comm.redistribute
 
 
-def test_measured_latency_and_bandwidth_are_positive(two_ranks):
+def test_measured_latency_is_not_negative_and_bandwidth_is_positive(two_ranks):
     comm, _ = two_ranks[0]
     for model in (comm.allreduce[2], comm.redistribute):
-        assert model.latency_s > 0
+        # A noisy machine can fit a line through the origin; the fit clamps latency at 0 (see below).
+        assert model.latency_s >= 0
         assert 0 < model.seconds_per_byte < 1e-6  # slower than 1 MB/s would be a measuring bug
 
 
