@@ -25,11 +25,11 @@ def test_a_window_is_open_only_inside_its_block_and_nested_windows_count_once() 
 
 def test_the_expected_length_is_the_median_of_the_recent_ones_of_that_key() -> None:
     windows = IdleWindows()
-    for length in (0.04, 0.005, 0.02):
+    for length in (0.2, 0.01, 0.05):
         with windows.window("recv"):
             time.sleep(length)
-    assert 0.02 <= windows.expected_s("recv") < 0.04
-    assert windows.total_s >= 0.065
+    assert 0.05 <= windows.expected_s("recv") < 0.2
+    assert windows.total_s >= 0.26
     assert math.isinf(windows.expected_s("never seen"))
 
 
@@ -49,11 +49,12 @@ def test_a_piece_fits_an_unknown_window_but_not_one_expected_to_end_sooner() -> 
     assert not windows.fits(0.0)  # closed
     with windows.window("short"):
         assert windows.fits(1.0)  # never seen: no reason to wait
-        time.sleep(0.005)
+        time.sleep(0.05)
     with windows.window("short"):
         assert windows.fits(0.0)
-        assert not windows.fits(0.05)
-        assert 0 < windows.remaining_s() <= 0.006
+        assert not windows.fits(0.5)
+        # Bounded by the measured length, not the slept one: a loaded machine oversleeps.
+        assert 0 < windows.remaining_s() <= windows.expected_s("short")
     assert windows.remaining_s() == 0.0
 
 
