@@ -200,11 +200,11 @@ def brute_force_placements(
     global_batch_size: int,
     options: dict[str, list[Placement]],
 ) -> float:
-    """Least predicted step time (with the optimizer update) over every assignment of the given
-    placements, each costed by `cost.evaluate`."""
+    """Least predicted step time (with the once-a-step costs) over every assignment of the given
+    placements, each costed by `cost.evaluate` as the search does."""
     sizes = dict(world_size=world_size, global_batch_size=global_batch_size)
     names = [item.name for item in graph.layers]
     return min(
-        cost.evaluate(graph, profile, dict(zip(names, combo)), **sizes).total_s + profile.optimizer_s
+        cost.evaluate(graph, profile, dict(zip(names, combo)), **sizes).total_s + profile.per_step_s
         for combo in itertools.product(*(options[name] for name in names))
     )

@@ -9,6 +9,7 @@ planned parameters are also used outside the planned forward (they are then redu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,9 +222,10 @@ class Installation:
         names = {id(p): name for name, p in {**params, **unplanned}.items()}
         return cls(plan, captured, schedule, groups, runtime, grad_sync, names, widths)
 
-    @property
+    @functools.cached_property
     def data_parallel(self) -> bool:
-        """Every layer runs on every rank's own samples: the plan is data parallelism."""
+        """Every layer runs on every rank's own samples: the plan is data parallelism (asked a few
+        times a step; the schedule does not change once built)."""
         home = Placement(self.schedule.world_size)
         return not self.runtime.shared and all(stage.placement == home for stage in self.schedule.stages)
 
