@@ -12,7 +12,7 @@ launcher starts the second rank); runs alternate between configurations and the 
 time is the median over steps after warm-up, then over runs. Writes `benchmarks/results/vs_ddp.json`
 with, per model and configuration, step times, the plan's prediction and table, and peak memory.
 
-    python benchmarks/vs_ddp.py [--models vgg gpt] [--runs 3] [--steps 30]
+    python benchmarks/vs_ddp.py [--models vgg gpt] [--runs 5] [--steps 60]
 """
 
 from __future__ import annotations
@@ -262,8 +262,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -332,6 +332,9 @@ def _measure(model_name: str, runs: int, steps: int) -> dict:
                 ranks = [json.loads(p.read_text()) for p in files]
                 samples[config].append({"ranks": ranks})
                 times = ", ".join(f"{r['step_time_s'] * 1e3:.1f} ms" for r in ranks)
+                if "predicted_step_time_s" in ranks[0]:
+                    times += f"; work {max(r['work_time_s'] for r in ranks) * 1e3:.1f} ms, predicted "
+                    times += f"{ranks[0]['predicted_step_time_s'] * 1e3:.1f} ms"
                 print(f"{model_name} run {run} {config}: {times}", flush=True)
     return _summarize(model_name, samples)
 
