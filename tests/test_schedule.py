@@ -104,6 +104,16 @@ def test_the_first_bucket_holds_at_most_a_megabyte_so_an_all_reduce_starts_early
     assert [b.params for b in schedule.buckets] == [("head.w", "c.w"), ("b.w", "a.w")]
 
 
+def test_a_gradient_larger_than_the_first_bucket_goes_alone_right_after_it():
+    # A small classifier, then a layer whose gradient alone fills the first bucket (the compute-bound
+    # CNN of the benchmarks): that gradient's all-reduce must start as soon as it is final, not wait
+    # for the whole backward in the next, 25 MB bucket.
+    megabyte = 1 << 20
+    sizes = {"a.w": 1024, "b.w": 1024, "c.w": megabyte + 1024, "head.w": 1024}
+    schedule = build_schedule(GRAPH, dict.fromkeys(MIXED, 2), PARAMS, sizes, 2, bucket_bytes=25 * megabyte)
+    assert [b.params for b in schedule.buckets] == [("head.w",), ("c.w",), ("b.w", "a.w")]
+
+
 def test_every_action_round_trips_through_its_text():
     schedule = _schedule(MIXED, 3)
     for action in (*schedule.forward, *schedule.backward):
