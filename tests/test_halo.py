@@ -9,7 +9,16 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from lightning_deeppool.planner.layout import Transfer
-from lightning_deeppool.planner.spatial import Slab, Window, halo_moves, row_parts, slab
+from lightning_deeppool.planner.spatial import (
+    Boundary,
+    OwnRows,
+    Slab,
+    Window,
+    halo_moves,
+    own_rows,
+    row_parts,
+    slab,
+)
 from lightning_deeppool.strategy.halo import Kernel, windowed
 from lightning_deeppool.strategy.spatial_layer import Convolution, MaxPooling
 from lightning_deeppool.strategy.spatial_norm import split_batch_norm
@@ -64,6 +73,31 @@ def test_a_pointwise_operation_moves_nothing() -> None:
 
 def test_a_part_without_output_rows_needs_no_slab() -> None:
     assert slab(THREE, 2, 3, 2) == Slab(0, 0, 0, 0)
+
+
+def test_a_three_by_three_convolution_runs_on_the_own_rows_and_recomputes_one_row_per_neighbour() -> None:
+    # 10 rows in 3 parts (4, 3, 3): each part pads its own rows by one; the rows next to a neighbour
+    # read one halo row and are computed again from the three rows they read.
+    assert [own_rows(THREE, 10, 3, i) for i in range(3)] == [
+        OwnRows(0, 4, 1, (Boundary(3, 4, 2, 5),)),
+        OwnRows(4, 7, 1, (Boundary(0, 1, 3, 6), Boundary(2, 3, 5, 8))),
+        OwnRows(7, 10, 1, (Boundary(0, 1, 6, 9),)),
+    ]
+
+
+def test_a_stride_two_convolution_pads_its_own_rows_as_the_whole_sample_is_padded() -> None:
+    window = Window(kernel=3, stride=2, padding=1)
+    # 512 rows in 2: part 1's outputs 128..255 read rows 255..511; its last window needs no padding.
+    assert own_rows(window, 512, 2, 1) == OwnRows(256, 512, 1, (Boundary(0, 1, 255, 258),))
+    assert own_rows(window, 512, 2, 0) == OwnRows(0, 256, 1, ())
+
+
+def test_parts_whose_windows_padding_cannot_align_or_whose_rows_all_read_a_halo_use_the_slab() -> None:
+    # 13 rows in 4, stride 2: part 2's outputs 4..5 read rows 7..11 with no row of padding above its
+    # own rows but two below; part 1's two outputs each read a halo.
+    window = Window(kernel=3, stride=2, padding=1)
+    assert [own_rows(window, 13, 4, i) is None for i in range(4)] == [False, True, True, True]
+    assert own_rows(Window(kernel=5, padding=4, dilation=2), 11, 3, 1) is None
 
 
 def test_an_invalid_window_is_refused() -> None:

@@ -100,3 +100,54 @@ def halo_moves(window: Window, size: int, parts: int) -> list[Transfer]:
             if src != dst and hi > lo:
                 moves.append(Transfer(src, dst, lo, hi - lo))
     return moves
+
+
+class Boundary(NamedTuple):
+    """Output rows ``[out_start, out_stop)`` of a part (counted from its first output row) whose
+    windows read halo rows; ``[start, stop)`` are all the input rows those windows read: halo, own
+    and padding rows."""
+
+    out_start: int
+    out_stop: int
+    start: int
+    stop: int
+
+
+class OwnRows(NamedTuple):
+    """How a part computes its output rows from its own rows first: the operation runs on own rows
+    ``[start, stop)`` with `padding` zero rows at both ends of the split dimension, which gives every
+    output row the part holds, those of the `boundaries` with their halo read as zeros; once the halo
+    arrives, each boundary's rows are computed again from the rows they read."""
+
+    start: int
+    stop: int
+    padding: int
+    boundaries: tuple[Boundary, ...]
+
+
+def own_rows(window: Window, size: int, parts: int, index: int) -> OwnRows | None:
+    """`OwnRows` for part `index`, or None where padding both ends alike cannot align the windows
+    with the part's output rows, or where every output row reads a halo (the part then assembles its
+    slab)."""
+    out_start, out_stop = part_rows(window.output_size(size), parts, index)
+    start, stop = part_rows(size, parts, index)
+    first, end = window.reads(out_start, out_stop)
+    lo, hi = max(first, start), min(end, stop)
+    if out_stop == out_start or hi <= lo or window.ceil_mode:
+        return None
+    padding, after = lo - first, end - hi
+    # Both ends get `padding` rows: the last window must fit in them, and no window beyond it.
+    if not 0 <= padding - after < window.stride:
+        return None
+    spans = []  # output rows whose windows read halo rows, above the own rows and below them
+    if first < start and start > 0:
+        spans.append([out_start, min(out_stop, -(-(start + window.padding) // window.stride))])
+    if end > stop and stop < size:
+        below = (stop + window.padding - window.extent) // window.stride + 1
+        spans.append([max(out_start, below), out_stop])
+    if len(spans) == 2 and spans[0][1] > spans[1][0]:  # rows that read both halos
+        spans = [[spans[0][0], spans[1][1]]]
+    if sum(b - a for a, b in spans) >= out_stop - out_start:
+        return None  # every output row reads a halo: running on the own rows first gains nothing
+    boundaries = tuple(Boundary(a - out_start, b - out_start, *window.reads(a, b)) for a, b in spans if b > a)
+    return OwnRows(lo, hi, padding, boundaries)

@@ -1,21 +1,38 @@
 """Halo exchange: a spatially local operation (a convolution, a pooling) on one part of a sample split
-by rows. The part posts the rows its neighbours need and receives theirs (`planner.spatial.halo_moves`),
-copies its own rows into the slab its output rows read while the messages are in flight, then runs the
-operation once on the whole slab. The slab is not kept for backward: it is rebuilt from the part's
-rows and the small halo, so a part stores no more than one device would for its rows. The backward
-sends each halo row's gradient back to the part that holds the row, which adds it. (A `Transfer` here
-moves `samples` rows of one sample, not samples.)"""
+by rows. The part posts the rows its neighbours need and receives theirs (`planner.spatial.halo_moves`).
+
+A convolution (a `PaddedKernel`) runs on the part's own rows while the messages are in flight, padded
+with zeros at both ends; once the halo arrives, the few output rows whose windows read it are computed
+again from their real inputs and replace those rows (`planner.spatial.own_rows`). Its backward
+computes the halo rows' gradients first and sends them back to the parts that hold the rows, then,
+while they travel, the own rows' gradient (an input's gradient does not depend on its values, so the
+padded run gives it whole) and the parameters' (the padded run's, plus what the halo rows add).
+
+Any other operation (or a geometry the padding cannot align) copies its own rows into the slab its
+output rows read while the messages fly, and runs once on the whole slab; its backward sends each halo
+row's gradient back after computing the slab's. No slab is kept for backward: a part stores no more
+than one device would for its rows. (A `Transfer` here moves `samples` rows of one sample, not
+samples.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from lightning_deeppool.planner.layout import Transfer
-from lightning_deeppool.planner.spatial import Slab, Window, halo_moves, part_rows, slab
+from lightning_deeppool.planner.spatial import (
+    Boundary,
+    OwnRows,
+    Slab,
+    Window,
+    halo_moves,
+    own_rows,
+    part_rows,
+    slab,
+)
 
 Params = tuple[torch.Tensor | None, ...]
 
@@ -47,6 +64,26 @@ class Kernel(Protocol):
         """The gradients of the parameters (`wanted` of them; `slab()` rebuilds the slab)."""
 
 
+@runtime_checkable
+class PaddedKernel(Kernel, Protocol):
+    """A kernel that can also run padded with zero rows at both ends of the split dimension, so a part
+    can run it on its own rows before the halo arrives (see the module docstring)."""
+
+    def padded(self, rows: int) -> PaddedKernel:
+        """The same kernel with `rows` zero rows at both ends of the split dimension."""
+
+    def halo_param_grads(
+        self, grad: torch.Tensor, halo: torch.Tensor, params: Params, wanted: Sequence[bool]
+    ) -> Params:
+        """What rows holding only the halo (zeros elsewhere) add to the parameters' gradients (`wanted`
+        of them): the parameters' gradients must be linear in the input."""
+
+    def grads(
+        self, grad: torch.Tensor, x: torch.Tensor, params: Params, wanted: Sequence[bool]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of `x` and of the parameters (`wanted`, input first) in one backward call."""
+
+
 class _Geometry(NamedTuple):
     dim: int
     start: int  # this part's rows [start, stop)
@@ -56,6 +93,7 @@ class _Geometry(NamedTuple):
     ranks: tuple[int, ...]
     part: int  # this part's index
     group: dist.ProcessGroup | None
+    own_rows: OwnRows | None  # how a padded kernel runs on the own rows first (None: on the slab)
 
     @property
     def incoming(self) -> list[Transfer]:
@@ -68,6 +106,10 @@ class _Geometry(NamedTuple):
     def own(self) -> tuple[int, int]:
         """The rows of its own the part's slab holds."""
         return max(self.need.start, self.start), min(self.need.stop, self.stop)
+
+    def whole(self) -> bool:
+        """Whether the part's slab is exactly its own rows: nothing to receive, nothing to pad."""
+        return (self.need.before, self.need.after) == (0, 0) and self.own() == (self.start, self.stop)
 
 
 def windowed(
@@ -89,8 +131,10 @@ def windowed(
     start, stop = part_rows(size, parts, index)
     need = slab(kernel.window, size, parts, index)
     moves = halo_moves(kernel.window, size, parts)
-    geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, group)
-    return _Windowed.apply(local, kernel, geometry, *params)
+    first = own_rows(kernel.window, size, parts, index) if isinstance(kernel, PaddedKernel) else None
+    geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, group, first)
+    function = _Windowed if first is None else _OwnRowsFirst
+    return function.apply(local, kernel, geometry, *params)
 
 
 class _Windowed(torch.autograd.Function):
@@ -98,35 +142,29 @@ class _Windowed(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, local: torch.Tensor, kernel: Kernel, geometry: _Geometry, *params: torch.Tensor | None
     ) -> torch.Tensor:
-        dim = geometry.dim
-        received = [local.new_empty(_shape(local, dim, m.samples)) for m in geometry.incoming]
-        outgoing = {m.dst: local.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
-        incoming = {m.src: t for m, t in zip(geometry.incoming, received)}
-        pending = _post(outgoing, incoming, geometry.ranks, geometry.group)
+        received, pending = _exchange_halo(local, geometry)
         # Copying the own rows overlaps the messages.
         assembled = _assemble(local, received, geometry, kernel.fill, pending)
         out, saved = kernel.forward(assembled, params)
-        ctx.kernel, ctx.geometry, ctx.saved, ctx.dtype = kernel, geometry, saved, out.dtype
-        ctx.save_for_backward(local, *received, *(p for p in params if p is not None))
-        ctx.present = [p is not None for p in params]
+        _save(ctx, kernel, geometry, out, local, received, params)
+        ctx.saved = saved
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         geometry: _Geometry = ctx.geometry
         kernel: Kernel = ctx.kernel
-        local, *rest = ctx.saved_tensors
-        received, given = rest[: len(geometry.incoming)], iter(rest[len(geometry.incoming) :])
-        params = tuple(next(given) if present else None for present in ctx.present)
+        local, received, params = _saved(ctx)
         dim, need = geometry.dim, geometry.need
-        shape = torch.Size(_shape(local, dim, need.rows))
-        grad_slab = kernel.input_grad(grad, shape, params, ctx.saved).to(local.dtype)
-        returned = {
-            m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.samples)
-            for m in geometry.incoming
-        }
-        arriving = {m.dst: local.new_empty(_shape(local, dim, m.samples)) for m in geometry.outgoing}
-        pending = _post(returned, arriving, geometry.ranks, geometry.group)
+        exchange = None
+        if ctx.needs_input_grad[0]:  # the same on every part, as in `_OwnRowsFirst`
+            shape = torch.Size(_shape(local, dim, need.rows))
+            grad_slab = kernel.input_grad(grad, shape, params, ctx.saved).to(local.dtype)
+            returned = {
+                m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.samples)
+                for m in geometry.incoming
+            }
+            exchange = _return_halo_grads(returned, local, geometry)
         # The parameters' gradients (and the slab they need, rebuilt) overlap the messages.
         grad_params = kernel.param_grads(
             grad,
@@ -135,19 +173,184 @@ class _Windowed(torch.autograd.Function):
             ctx.saved,
             ctx.needs_input_grad[3:],
         )
+        if exchange is None:
+            return (None, None, None, *grad_params)
         own_lo, own_hi = geometry.own()
-        if own_lo == geometry.start and own_hi == geometry.stop:
-            grad_local = grad_slab.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo)
-        else:  # the slab reads only some of the part's rows: the others get no gradient from it
-            grad_local = torch.zeros_like(local)
-            if own_hi > own_lo:
-                grad_local.narrow(dim, own_lo - geometry.start, own_hi - own_lo).copy_(
-                    grad_slab.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo)
-                )
+        if own_hi <= own_lo:  # the slab reads none of the part's rows
+            own_lo, own_hi = geometry.start, geometry.start
+        grad_own = grad_slab.narrow(dim, max(0, need.before + own_lo - need.start), own_hi - own_lo)
+        return (_grad_local(local, geometry, own_lo, grad_own, *exchange), None, None, *grad_params)
+
+
+class _OwnRowsFirst(torch.autograd.Function):
+    """A padded kernel's rows: computed from the own rows while the halo travels, then the rows that
+    read the halo computed again from their real inputs (see the module docstring)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, kernel: PaddedKernel, geometry: _Geometry, *params: torch.Tensor | None
+    ) -> torch.Tensor:
+        dim, own = geometry.dim, geometry.own_rows
+        assert own is not None
+        received, pending = _exchange_halo(local, geometry)
+        out, _ = kernel.padded(own.padding).forward(_own_input(local, geometry), params)
         pending.wait()
-        for move in geometry.outgoing:
-            grad_local.narrow(dim, move.start - geometry.start, move.samples).add_(arriving[move.dst])
-        return (grad_local, None, None, *grad_params)
+        for boundary in own.boundaries:
+            rows, _ = kernel.forward(_boundary_slab(local, received, geometry, boundary), params)
+            _rows(out, dim, boundary).copy_(rows)
+        _save(ctx, kernel, geometry, out, local, received, params)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        geometry: _Geometry = ctx.geometry
+        kernel: PaddedKernel = ctx.kernel
+        own = geometry.own_rows
+        assert own is not None
+        local, received, params = _saved(ctx)
+        dim, wants_input = geometry.dim, ctx.needs_input_grad[0]
+        exchange = None
+        if wants_input:  # the same on every part: each runs this layer on its rows of the same value
+            # The halo rows' gradients first, so they travel while the rest is computed.
+            slab_grads = [
+                kernel.input_grad(
+                    _rows(grad, dim, b), torch.Size(_shape(local, dim, b.stop - b.start)), params, None
+                )
+                for b in own.boundaries
+            ]
+            returned = {
+                m.src: _halo_grad(slab_grads, own.boundaries, m, dim).to(local.dtype)
+                for m in geometry.incoming
+            }
+            exchange = _return_halo_grads(returned, local, geometry)
+        # An input's gradient does not depend on its values: the own rows' run gives the own rows'
+        # whole gradient. The weights' does: the halo rows add theirs to the own rows' run's.
+        wanted = (wants_input, *ctx.needs_input_grad[3:])
+        grad_x, *grad_params = kernel.padded(own.padding).grads(
+            grad, _own_input(local, geometry), params, wanted
+        )
+        for boundary in own.boundaries:
+            halo = _boundary_slab(local, received, geometry, boundary, ctx.dtype, own=False)
+            extra = kernel.halo_param_grads(_rows(grad, dim, boundary), halo, params, wanted[1:])
+            grad_params = [g if e is None else e if g is None else g + e for g, e in zip(grad_params, extra)]
+        if exchange is None:
+            return (None, None, None, *grad_params)
+        assert grad_x is not None
+        return (_grad_local(local, geometry, own.start, grad_x, *exchange), None, None, *grad_params)
+
+
+def _exchange_halo(local: torch.Tensor, geometry: _Geometry) -> tuple[list[torch.Tensor], _Pending]:
+    """Post the rows the neighbours need and the buffers for the halo rows they send."""
+    dim = geometry.dim
+    received = [local.new_empty(_shape(local, dim, m.samples)) for m in geometry.incoming]
+    outgoing = {m.dst: local.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
+    incoming = {m.src: t for m, t in zip(geometry.incoming, received)}
+    return received, _post(outgoing, incoming, geometry.ranks, geometry.group)
+
+
+def _return_halo_grads(
+    returned: dict[int, torch.Tensor], local: torch.Tensor, geometry: _Geometry
+) -> tuple[dict[int, torch.Tensor], _Pending]:
+    """Post the halo rows' gradients to the parts that hold those rows, and the buffers for the
+    gradients of the own rows the neighbours read."""
+    arriving = {m.dst: local.new_empty(_shape(local, geometry.dim, m.samples)) for m in geometry.outgoing}
+    return arriving, _post(returned, arriving, geometry.ranks, geometry.group)
+
+
+def _grad_local(
+    local: torch.Tensor,
+    geometry: _Geometry,
+    start: int,
+    grad_own: torch.Tensor,
+    arriving: dict[int, torch.Tensor],
+    pending: _Pending,
+) -> torch.Tensor:
+    """The part's gradient: `grad_own` for its rows from `start` on (the others get none from this
+    layer), plus what the neighbours' halos sent back."""
+    dim = geometry.dim
+    if (start, start + grad_own.shape[dim]) == (geometry.start, geometry.stop):
+        grad_local = grad_own
+    else:  # the outputs read only some of the part's rows
+        grad_local = torch.zeros_like(local)
+        grad_local.narrow(dim, start - geometry.start, grad_own.shape[dim]).copy_(grad_own)
+    pending.wait()
+    for move in geometry.outgoing:
+        grad_local.narrow(dim, move.start - geometry.start, move.samples).add_(arriving[move.dst])
+    return grad_local
+
+
+def _save(
+    ctx: Any,
+    kernel: Kernel,
+    geometry: _Geometry,
+    out: torch.Tensor,
+    local: torch.Tensor,
+    received: Sequence[torch.Tensor],
+    params: Params,
+) -> None:
+    ctx.kernel, ctx.geometry, ctx.dtype = kernel, geometry, out.dtype
+    ctx.save_for_backward(local, *received, *(p for p in params if p is not None))
+    ctx.present = [p is not None for p in params]
+
+
+def _saved(ctx: Any) -> tuple[torch.Tensor, list[torch.Tensor], Params]:
+    """What `_save` kept: the part's rows, the halo it received, the parameters."""
+    local, *rest = ctx.saved_tensors
+    count = len(ctx.geometry.incoming)
+    given = iter(rest[count:])
+    return local, list(rest[:count]), tuple(next(given) if present else None for present in ctx.present)
+
+
+def _own_input(local: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+    """The own rows a padded kernel's output rows read (all of them but at odd strides)."""
+    own = geometry.own_rows
+    assert own is not None
+    if (own.start, own.stop) == (geometry.start, geometry.stop):
+        return local
+    return local.narrow(geometry.dim, own.start - geometry.start, own.stop - own.start)
+
+
+def _rows(grad: torch.Tensor, dim: int, boundary: Boundary) -> torch.Tensor:
+    """The gradient of a boundary's output rows."""
+    return grad.narrow(dim, boundary.out_start, boundary.out_stop - boundary.out_start)
+
+
+def _boundary_slab(
+    local: torch.Tensor,
+    received: Sequence[torch.Tensor],
+    geometry: _Geometry,
+    boundary: Boundary,
+    dtype: torch.dtype | None = None,
+    own: bool = True,
+) -> torch.Tensor:
+    """The rows a boundary's outputs read: halo rows, own rows (zeros without `own`), zeros for
+    padding; in `dtype` (default: the part's)."""
+    dim = geometry.dim
+    out = local.new_zeros(_shape(local, dim, boundary.stop - boundary.start), dtype=dtype)
+    pieces = [(m.start, rows) for m, rows in zip(geometry.incoming, received)]
+    if own:
+        pieces.append((geometry.start, local))
+    for start, rows in pieces:
+        lo, hi = max(start, boundary.start), min(start + rows.shape[dim], boundary.stop)
+        if hi > lo:
+            out.narrow(dim, lo - boundary.start, hi - lo).copy_(rows.narrow(dim, lo - start, hi - lo))
+    return out
+
+
+def _halo_grad(
+    slab_grads: Sequence[torch.Tensor], boundaries: Sequence[Boundary], move: Transfer, dim: int
+) -> torch.Tensor:
+    """The gradient of a halo move's rows: the sum of every boundary slab's gradient for them."""
+    total: torch.Tensor | None = None
+    for boundary, slab_grad in zip(boundaries, slab_grads):
+        lo, hi = max(move.start, boundary.start), min(move.start + move.samples, boundary.stop)
+        if hi <= lo:
+            continue
+        if total is None:
+            total = slab_grad.new_zeros(_shape(slab_grad, dim, move.samples))
+        total.narrow(dim, lo - move.start, hi - lo).add_(slab_grad.narrow(dim, lo - boundary.start, hi - lo))
+    assert total is not None, f"no boundary reads the halo rows {move}"
+    return total
 
 
 def _assemble(
@@ -158,8 +361,13 @@ def _assemble(
     pending: _Pending | None = None,
 ) -> torch.Tensor:
     """The slab: padding rows, the halo rows before the own rows, the own rows, the halo rows after,
-    padding rows. With `pending` messages, waits for them after copying the own rows."""
+    padding rows. With `pending` messages, waits for them after copying the own rows. A slab of
+    exactly the own rows is `local` itself, not a copy."""
     dim, need = geometry.dim, geometry.need
+    if geometry.whole() and not received:
+        if pending is not None:
+            pending.wait()  # the rows it sends must outlive the messages
+        return local
     out = local.new_empty(_shape(local, dim, need.rows))
     own_lo, own_hi = geometry.own()
     if own_hi > own_lo:

@@ -9,6 +9,7 @@ such a layer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,8 +124,9 @@ def _max_pooling(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[An
 
 @dataclass(frozen=True)
 class Convolution:
-    """A 1-, 2- or 3-d convolution as a `halo.Kernel`: unpadded along the split dimension. `op` is
-    the graph's (``aten.conv2d``...), which autocast casts as it would on one device."""
+    """A 1-, 2- or 3-d convolution as a `halo.PaddedKernel`: unpadded along the split dimension unless
+    `padded`. `op` is the graph's (``aten.conv2d``...), which autocast casts as it would on one
+    device."""
 
     op: Any
     window: Window
@@ -138,6 +140,33 @@ class Convolution:
         weight, bias = params
         out = self.op(slab, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         return out, None
+
+    def padded(self, rows: int) -> Convolution:
+        return dataclasses.replace(self, padding=[rows, *self.padding[1:]])
+
+    def halo_param_grads(
+        self, grad: torch.Tensor, halo: torch.Tensor, params: Params, wanted: Sequence[bool]
+    ) -> Params:
+        # The weight's gradient is linear in the input; the bias's does not read it (counted once).
+        return self.param_grads(grad, lambda: halo, params, None, [wanted[0], False])
+
+    def grads(
+        self, grad: torch.Tensor, x: torch.Tensor, params: Params, wanted: Sequence[bool]
+    ) -> tuple[torch.Tensor | None, ...]:
+        weight, bias = params
+        assert weight is not None
+        mask = [wanted[0], wanted[1], wanted[2] and bias is not None]
+        if not any(mask):
+            return (None, None, None)
+        sizes = None if bias is None else [weight.shape[0]]
+        grad_x, grad_weight, grad_bias = self._backward(
+            grad, x.to(grad.dtype), weight.to(grad.dtype), sizes, mask
+        )
+        return (
+            grad_x.to(x.dtype) if grad_x is not None else None,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if bias is not None and grad_bias is not None else None,
+        )
 
     def input_grad(self, grad: torch.Tensor, shape: torch.Size, params: Params, saved: Any) -> torch.Tensor:
         weight = params[0]
