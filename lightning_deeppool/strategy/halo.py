@@ -340,16 +340,15 @@ def _boundary_slab(
 def _halo_grad(
     slab_grads: Sequence[torch.Tensor], boundaries: Sequence[Boundary], move: Transfer, dim: int
 ) -> torch.Tensor:
-    """The gradient of a halo move's rows: the sum of every boundary slab's gradient for them."""
-    total: torch.Tensor | None = None
+    """The gradient of a halo move's rows: the sum of every boundary slab's gradient for them (rows
+    between a strided kernel's windows get none)."""
+    total = slab_grads[0].new_zeros(_shape(slab_grads[0], dim, move.samples))
     for boundary, slab_grad in zip(boundaries, slab_grads):
         lo, hi = max(move.start, boundary.start), min(move.start + move.samples, boundary.stop)
-        if hi <= lo:
-            continue
-        if total is None:
-            total = slab_grad.new_zeros(_shape(slab_grad, dim, move.samples))
-        total.narrow(dim, lo - move.start, hi - lo).add_(slab_grad.narrow(dim, lo - boundary.start, hi - lo))
-    assert total is not None, f"no boundary reads the halo rows {move}"
+        if hi > lo:
+            total.narrow(dim, lo - move.start, hi - lo).add_(
+                slab_grad.narrow(dim, lo - boundary.start, hi - lo)
+            )
     return total
 
 
