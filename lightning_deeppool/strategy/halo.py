@@ -310,9 +310,9 @@ def _own_input(local: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
     return local.narrow(geometry.dim, own.start - geometry.start, own.stop - own.start)
 
 
-def _rows(grad: torch.Tensor, dim: int, boundary: Boundary) -> torch.Tensor:
-    """The gradient of a boundary's output rows."""
-    return grad.narrow(dim, boundary.out_start, boundary.out_stop - boundary.out_start)
+def _rows(values: torch.Tensor, dim: int, boundary: Boundary) -> torch.Tensor:
+    """A boundary's output rows of `values` (the part's output, or its gradient)."""
+    return values.narrow(dim, boundary.out_start, boundary.out_stop - boundary.out_start)
 
 
 def _boundary_slab(
