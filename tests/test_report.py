@@ -44,6 +44,30 @@ def test_the_closure_inside_an_optimizer_step_is_not_work_but_its_planned_calls_
     assert times.work_seconds == [2.25]
 
 
+def test_a_backward_is_work_from_the_planned_outputs_gradients_on_not_the_losss_before(clock):
+    times = StepTimes()
+    times.mark()
+    with times.backward():
+        clock[0] += 4.0  # the loss's backward (a 32k-token cross-entropy, say)
+        times.outputs_reached()
+        clock[0] += 3.0  # the planned layers' backward
+        times.outputs_reached()  # a second output's gradient: the backward is already the plan's
+        clock[0] += 1.0
+    times.mark()
+    assert times.seconds == [8.0]
+    assert times.work_seconds == [4.0]
+
+
+def test_a_backward_whose_gradients_never_reach_the_planned_outputs_is_work_throughout(clock):
+    times = StepTimes()
+    times.mark()
+    with times.backward():
+        clock[0] += 2.0
+    times.outputs_reached()  # after the backward: nothing to skip
+    times.mark()
+    assert times.work_seconds == [2.0]
+
+
 def test_the_summary_shows_the_plans_work_against_the_prediction_and_the_rest():
     line = summary(measured_s=0.030, work_s=0.022, predicted_s=0.020, steps=20)
     assert "measured median step time 30.000 ms over 17 steps" in line

@@ -273,7 +273,7 @@ class DeepPoolStrategy(DDPStrategy):
         """Backward, then synchronize the gradients it produced (unless accumulating)."""
         if self._calls is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with self.step_times.work(), self._blocked():
+        with self.step_times.backward(), self._blocked():
             with self._calls.backward(last=self._sync_gradients):
                 loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             if self._sync_gradients:

@@ -62,17 +62,26 @@ class ForwardCalls:
                 outputs = self._original(*args, **kwargs)
             if torch.is_grad_enabled():
                 self._pending += 1
-            return outputs
+            return self._timed_backward(outputs)
         if self.agreement is None:  # a rank alone (one device): every call of its training step is planned
             with self.strategy.step_times.work():
-                return self._planned(args, kwargs)
+                return self._timed_backward(self._planned(args, kwargs))
         # Once installed, a call's rows travel with the agreement: no collective before it runs.
         with self.strategy.step_times.work():
             call = installation.runtime.prepare(args, kwargs) if installation is not None else None
             rows = self.agreement.agree(call_site(), call.row if call is not None else ())
             if rows is not None:
-                return self._planned(args, kwargs, call, rows)
+                return self._timed_backward(self._planned(args, kwargs, call, rows))
         return self._local(args, kwargs)
+
+    def _timed_backward(self, outputs: Any) -> Any:
+        """The backward's work starts where the gradients reach these outputs (`StepTimes.backward`)."""
+        if torch.is_grad_enabled():
+            reached = self.strategy.step_times.outputs_reached
+            for t in pytree.tree_leaves(outputs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda _: reached())
+        return outputs
 
     @property
     def meeting(self) -> CallAgreement | None:
