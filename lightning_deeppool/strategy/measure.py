@@ -32,6 +32,8 @@ def measure_comm(
 ) -> CommProfile:
     """Collective: every rank calls it; every rank gets rank 0's measurement. The sizes reach a
     gradient bucket's (25 MB): small messages alone under-price large ones, which leave the caches.
+    A move's latency is at least what a small exchange costs right after computing
+    (`_between_computations`), as the moves of a step come.
 
     Without an initialized process group, or with one rank, returns `CommProfile()` (its defaults).
     Groups for sizes k < N are ranks 0..k-1, created and destroyed here in the same order everywhere.
@@ -52,7 +54,11 @@ def measure_comm(
             allreduce[k] = _fit(sizes_bytes, functools.partial(dist.all_reduce, group=group), repeats, device)
         if group is not None:
             dist.destroy_process_group(group)
-    redistribute = _fit(sizes_bytes, _ping_pong(rank), repeats, device, scale=0.5) if rank < 2 else None
+    redistribute = None
+    if rank < 2:
+        fitted = _fit(sizes_bytes, _ping_pong(rank), repeats, device, scale=0.5)
+        loaded = _between_computations(rank, device, repeats=max(repeats, 8))
+        redistribute = AlphaBeta(max(fitted.latency_s, loaded), fitted.seconds_per_byte)
     result: list[Any] = [None]
     if redistribute is not None:  # rank 0 always measures it; the other ranks take rank 0's result
         result = [
@@ -60,6 +66,34 @@ def measure_comm(
         ]
     dist.broadcast_object_list(result, src=0, device=device if device.type == "cuda" else None)
     return result[0]
+
+
+# Work before each exchange of `_between_computations`: a few layers' worth on a CPU.
+COMPUTE_S = 3e-3
+
+
+def _between_computations(rank: int, device: torch.device, repeats: int) -> float:
+    """Mean seconds of a small exchange between ranks 0 and 1 posted right after both computed, as a
+    step's messages are. On a host whose cores are all busy computing, a process's first message
+    after a stretch of work waits for its peer's communication thread to get a core: on a 2-core CPU
+    machine that took 1-5 ms, against 50 us between idle ranks. Where devices compute (CUDA) the work
+    is synchronized first and the exchange costs what it costs idle."""
+    peer = 1 - rank
+    work = torch.ones(128, 128, device=device)
+    mine, theirs = torch.ones(256, device=device), torch.empty(256, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        deadline = time.perf_counter() + COMPUTE_S
+        while time.perf_counter() < deadline:
+            torch.mm(work, work)
+        _sync(device)
+        start = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)]
+        for request in dist.batch_isend_irecv(ops if rank == 0 else ops[::-1]):
+            request.wait()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.mean(times[1:])
 
 
 def _ping_pong(rank: int) -> Callable[[torch.Tensor], None]:
