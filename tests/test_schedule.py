@@ -104,14 +104,21 @@ def test_the_first_bucket_holds_at_most_a_megabyte_so_an_all_reduce_starts_early
     assert [b.params for b in schedule.buckets] == [("head.w", "c.w"), ("b.w", "a.w")]
 
 
-def test_a_gradient_larger_than_the_first_bucket_goes_alone_right_after_it():
+def test_a_gradient_larger_than_the_first_bucket_closes_it_so_its_all_reduce_starts_once_it_is_final():
     # A small classifier, then a layer whose gradient alone fills the first bucket (the compute-bound
-    # CNN of the benchmarks): that gradient's all-reduce must start as soon as it is final, not wait
-    # for the whole backward in the next, 25 MB bucket.
+    # CNN of the benchmarks): the first bucket closes with that gradient, as DDP's does, instead of
+    # leaving it to wait for the whole backward in the next, 25 MB bucket (or costing a call alone).
     megabyte = 1 << 20
     sizes = {"a.w": 1024, "b.w": 1024, "c.w": megabyte + 1024, "head.w": 1024}
     schedule = build_schedule(GRAPH, dict.fromkeys(MIXED, 2), PARAMS, sizes, 2, bucket_bytes=25 * megabyte)
-    assert [b.params for b in schedule.buckets] == [("head.w",), ("c.w",), ("b.w", "a.w")]
+    assert [b.params for b in schedule.buckets] == [("head.w", "c.w"), ("b.w", "a.w")]
+
+
+def test_a_gradient_as_large_as_a_whole_bucket_goes_alone():
+    megabyte = 1 << 20
+    sizes = {"a.w": 1024, "b.w": 30 * megabyte, "c.w": 1024, "head.w": 1024}
+    schedule = build_schedule(GRAPH, dict.fromkeys(MIXED, 2), PARAMS, sizes, 2, bucket_bytes=25 * megabyte)
+    assert [b.params for b in schedule.buckets] == [("head.w", "c.w"), ("b.w",), ("a.w",)]
 
 
 def test_every_action_round_trips_through_its_text():

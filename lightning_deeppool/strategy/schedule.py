@@ -189,8 +189,8 @@ def plan_buckets(
 
     Returns the buckets and, per stage index, the buckets that can be launched after its backward.
     A parameter is final once every stage using it has run backward. Width-1 parameters need no
-    all-reduce and are left out. As in DDP, the first bucket holds at most `FIRST_BUCKET_BYTES`, so an
-    all-reduce starts early in backward instead of after the whole of a large stage.
+    all-reduce and are left out. As in DDP, the first bucket closes once it holds `FIRST_BUCKET_BYTES`,
+    so an all-reduce starts early in backward instead of after the whole of a large stage.
     """
     first_user: dict[str, int] = {}
     for stage in stages:
@@ -219,8 +219,8 @@ def plan_buckets(
             for param in by_width[width]:
                 # The cap of the bucket this parameter joins, fixed before closing one changes it.
                 cap = limit()
-                if param_bytes[param] >= cap and chunk:
-                    # A parameter as large as a bucket goes alone: it is reduced without a copy.
+                if param_bytes[param] >= bucket_bytes and chunk:
+                    # A parameter as large as a whole bucket goes alone: it is reduced without a copy.
                     close(stage.index, width, chunk)
                     chunk, chunk_bytes = [], 0
                 chunk.append(param)
