@@ -217,15 +217,13 @@ def plan_buckets(
             chunk: list[str] = []
             chunk_bytes = 0
             for param in by_width[width]:
-                # The cap of the bucket this parameter joins, fixed before closing one changes it.
-                cap = limit()
                 if param_bytes[param] >= bucket_bytes and chunk:
                     # A parameter as large as a whole bucket goes alone: it is reduced without a copy.
                     close(stage.index, width, chunk)
                     chunk, chunk_bytes = [], 0
                 chunk.append(param)
                 chunk_bytes += param_bytes[param]
-                if chunk_bytes >= cap:
+                if chunk_bytes >= limit():
                     close(stage.index, width, chunk)
                     chunk, chunk_bytes = [], 0
             if chunk:
