@@ -485,6 +485,41 @@ def test_a_piece_that_does_not_fit_the_windows_left_waits_at_its_safe_point(tmp_
     assert learned >= 3 and job.stats.state == "stopped"
 
 
+class StopsDuringBackward(Trial):
+    """Sets its gate's stop from a hook in the middle of its backward (after `b`, before `a`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop: threading.Event | None = None
+        self.a_grads = 0
+        for p in self.a.parameters():
+            p.register_post_accumulate_grad_hook(self._count)
+
+    def _count(self, p: torch.Tensor) -> None:
+        self.a_grads += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.a(x))
+        stop = self.stop
+        assert stop is not None
+        hidden.register_hook(lambda grad: stop.set())
+        return self.b(hidden)
+
+
+def test_a_job_stopped_during_its_backward_finishes_that_backward_then_stops(tmp_path: Path) -> None:
+    # An aborted backward would leave its nodes queued in the thread's autograd state until the
+    # OS thread exits, which can abort a process that is shutting down.
+    module = StopsDuringBackward()
+    gate = Gate(IdleWindows(), "priority")
+    module.stop = gate.stop
+    job = BackgroundJob(module, trial_loader, name="mid", checkpoint_dir=tmp_path)
+    thread = threading.Thread(target=job.build(torch.device("cpu")).train, args=(gate,))
+    thread.start()
+    thread.join(timeout=10)
+    assert module.a_grads == 2  # weight and bias: the backward reached the first layer
+    assert job.stats.state == "stopped" and job.stats.global_step == 0
+
+
 # ----------------------------------------------------------------------------- deeppool
 def test_foreground_is_bit_identical_with_background_on_two_ranks(tmp_path: Path) -> None:
     reference = fit_deeppool(2, 10, [], tmp_path / "ref", pinned_strategy()).state_dict()

@@ -29,9 +29,28 @@ class Gate:
         self.held = False
         self.stop = threading.Event()
 
-    def enter(self, piece_s: float, next_piece_s: float, paused: Callable[[bool], None]) -> None:
+    def enter(
+        self,
+        piece_s: float,
+        next_piece_s: float,
+        paused: Callable[[bool], None],
+        *,
+        inside_backward: bool = False,
+    ) -> None:
         """Called between pieces: `piece_s` is how long the last one took, `next_piece_s` how long
-        the next one is expected to take (it must fit in the idle window left)."""
+        the next one is expected to take (it must fit in the idle window left).
+
+        Inside a backward a stop returns instead of raising, and the job stops at its next safe
+        point: a backward aborted from a hook leaves its nodes in the thread's autograd queue, freed
+        only as the OS thread exits, and a process that exits meanwhile aborts (torch's C++ needs
+        the GIL of a finalizing interpreter)."""
+        try:
+            self._pass(piece_s, next_piece_s, paused)
+        except Stopped:
+            if not inside_backward:
+                raise
+
+    def _pass(self, piece_s: float, next_piece_s: float, paused: Callable[[bool], None]) -> None:
         if self.stop.is_set():
             raise Stopped
         rest = pause_after(piece_s, self.duty)

@@ -3,8 +3,9 @@
 The job is built on the main thread (its module initialised under its own seed, inside
 `torch.random.fork_rng`, so the foreground's global RNG is untouched) and trained on a thread that
 passes a `Gate` at safe points: before every submodule's forward, before every parameter's gradient
-(CPU only), before the optimizer step and before each batch. A checkpoint that Lightning's
-`load_from_checkpoint` reads is written every `checkpoint_every` steps and when the job stops.
+(CPU only; a stop there takes effect once the backward is done), before the optimizer step and
+before each batch. A checkpoint that Lightning's `load_from_checkpoint` reads is written every
+`checkpoint_every` steps and when the job stops.
 
 Limitation: randomness inside `training_step` (dropout, `torch.rand`) draws from the process-wide
 generator that the foreground shares; such jobs change the foreground's random stream. Use
@@ -272,7 +273,7 @@ class JobRun:
             if config.interval == "step" and stats.global_step % config.frequency == 0:
                 config.scheduler.step()
 
-    def _enter(self, gate: Gate, *, step_start: bool = False) -> None:
+    def _enter(self, gate: Gate, *, step_start: bool = False, inside_backward: bool = False) -> None:
         """A safe point. Pieces recur in the same order every step, so the next one is expected to
         take the median of its own last few durations (unknown the first time: it may start)."""
         stats = self.job.stats
@@ -287,7 +288,8 @@ class JobRun:
             stats.work_s += min(recent)
         self._place = 0 if step_start else self._place + 1
         history = self._durations.get(self._place)
-        gate.enter(piece_s, statistics.median(history) if history else 0.0, paused)
+        expected_s = statistics.median(history) if history else 0.0
+        gate.enter(piece_s, expected_s, paused, inside_backward=inside_backward)
         self._piece_start = self._clock()
 
     def _install_hooks(self, gate: Gate, sync: Callable[[], None] | None) -> list[Any]:
@@ -301,7 +303,7 @@ class JobRun:
             self._enter(gate)
 
         def before_grad(grad: torch.Tensor) -> None:
-            self._enter(gate)
+            self._enter(gate, inside_backward=True)
 
         handles = [m.register_forward_pre_hook(before_forward) for m in self.module.modules()]
         if self.device.type == "cpu":

@@ -29,6 +29,7 @@ class JobPool:
         self.device = device
         self._queue = list(jobs)
         self._running: list[tuple[threading.Thread, BackgroundJob]] = []
+        self._started: list[threading.Thread] = []
 
     @property
     def running(self) -> bool:
@@ -58,6 +59,7 @@ class JobPool:
             job.stats.state = "running"
             thread.start()
             self._running.append((thread, job))
+            self._started.append(thread)
 
     def stop(self, gate: Gate, timeout_s: float) -> None:
         """Stop every job thread (each checkpoints on its way out) within `timeout_s`."""
@@ -65,8 +67,6 @@ class JobPool:
         deadline = time.monotonic() + timeout_s
         for thread, job in self._running:
             thread.join(max(0.0, deadline - time.monotonic()))
-            if not thread.is_alive():
-                _wait_for_os_thread(thread, min(deadline, time.monotonic() + 1.0))
             if thread.is_alive():
                 log.warning(
                     "background job %r did not stop within %.0f s; it is left as a daemon thread and "
@@ -75,6 +75,11 @@ class JobPool:
                     timeout_s,
                     job.checkpoint_path,
                 )
+        # Every thread started here must be gone from the OS before the process may exit, those
+        # `fill` reaped included (a job that failed mid-backward).
+        for thread in self._started:
+            if not thread.is_alive():
+                _wait_for_os_thread(thread, min(deadline, time.monotonic() + 1.0))
         self._reap()
         self._running = []
 
