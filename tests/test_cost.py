@@ -239,6 +239,22 @@ def test_a_split_layers_halo_exchange_costs_its_halo_per_group_sample_both_ways(
     assert cost.halo_time(SLOW_LINK, big, Placement(4, 2), 10) == pytest.approx(expected)
 
 
+def test_a_measured_halo_model_prices_halo_exchanges_and_not_moves_between_placements():
+    big = splittable(height=10, halo_bytes=800)
+    comm = dataclasses.replace(SLOW_LINK, halo=AlphaBeta(latency_s=1e-6, seconds_per_byte=1e-12))
+    assert cost.halo_time(comm, big, Placement(4, 2), 10) == pytest.approx(2 * (1e-6 + 800 * 5 * 1e-12))
+    assert cost.transfer_time(comm, 4096, 1, 4, world_size=4, global_batch_size=8) == cost.transfer_time(
+        SLOW_LINK, 4096, 1, 4, world_size=4, global_batch_size=8
+    )
+
+
+def test_a_halo_model_survives_json_and_profiles_without_one_load_with_none():
+    comm = CommProfile(halo=AlphaBeta(2e-5, 1e-10))
+    assert CommProfile.from_dict(comm.to_dict()) == comm
+    older = {key: value for key, value in comm.to_dict().items() if key != "halo"}
+    assert CommProfile.from_dict(older).halo is None
+
+
 def test_vectorized_busiest_shares_match_the_layout_reference():
     for world_size, batch, rows in [(2, 1, 7), (4, 2, 5), (4, 3, 9), (6, 5, 4), (8, 8, 16)]:
         options = [Placement(w, s) for w in range(1, world_size + 1) for s in range(1, w + 1) if w % s == 0]

@@ -43,6 +43,13 @@ def test_measured_latency_is_not_negative_and_bandwidth_is_positive(two_ranks):
         assert 0 < model.seconds_per_byte < 1e-6  # slower than 1 MB/s would be a measuring bug
 
 
+def test_cpu_ranks_of_one_host_measure_the_links_of_their_halo_exchanges(two_ranks):
+    comm, _ = two_ranks[0]
+    assert comm.halo is not None and comm.redistribute is not None
+    assert comm.halo.latency_s > 0
+    assert comm.halo.seconds_per_byte == comm.redistribute.seconds_per_byte
+
+
 def test_measure_comm_is_fast(two_ranks):
     assert max(seconds for _, seconds in two_ranks) < 1.5
 

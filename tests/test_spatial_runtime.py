@@ -15,6 +15,7 @@ from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.groups import PlanGroups
+from lightning_deeppool.strategy.messages import LocalLinks
 from lightning_deeppool.strategy.runtime import BurstRuntime
 from lightning_deeppool.strategy.schedule import build_schedule
 
@@ -49,11 +50,18 @@ ONE_SAMPLE: Pattern = lambda w: {  # noqa: E731
 
 
 def _errors(
-    rank: int, world: int, samples: int, pattern: str, shared: bool = False, bf16: bool = False
+    rank: int,
+    world: int,
+    samples: int,
+    pattern: str,
+    shared: bool = False,
+    bf16: bool = False,
+    links: bool = False,
 ) -> dict[str, float]:
     """Largest differences from one device: outputs, owned gradients, input gradient, running stats.
     With `shared`, every rank passes the whole batch and computes the whole batch's loss. In float64,
-    or with `bf16` in float32 under bfloat16 autocast (on both sides)."""
+    or with `bf16` in float32 under bfloat16 autocast (on both sides). Spatial layers exchange over
+    `torch.distributed`, or over `LocalLinks` with `links`."""
     torch.manual_seed(0)
     dtype = torch.float32 if bf16 else torch.float64
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
@@ -84,6 +92,7 @@ def _errors(
         rank=rank,
         device=torch.device("cpu"),
         grad_sync=grad_sync,
+        spatial_messages=LocalLinks.connect() if links else None,
         shared=shared,
     )
     planned = x[mine].clone().requires_grad_(not shared)
@@ -111,6 +120,7 @@ def _errors(
         if rank < placements["norm"].width
         else 0.0,
     }
+    runtime.close()
     groups.destroy()
     return errors
 
@@ -122,6 +132,7 @@ def _all_errors(rank: int, world: int) -> dict[str, dict[str, float]]:
     """Every case on one set of ranks (spawning them is what takes time)."""
     found = {name: _errors(rank, world, samples, name, shared) for samples, name, shared in CASES}
     found["bf16"] = _errors(rank, world, 1, "one-sample", shared=True, bf16=True)
+    found["local links"] = _errors(rank, world, 7, "mixed", links=True)
     return found
 
 
@@ -130,7 +141,7 @@ def errors(request) -> list[dict[str, dict[str, float]]]:
     return run_distributed(_all_errors, request.param, request.param)
 
 
-@pytest.mark.parametrize("case", [name for _, name, _ in CASES])
+@pytest.mark.parametrize("case", [*(name for _, name, _ in CASES), "local links"])
 def test_spatial_placements_give_one_devices_outputs_gradients_and_statistics(errors, case: str) -> None:
     for rank, by_case in enumerate(errors):
         found = by_case[case]

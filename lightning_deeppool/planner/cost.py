@@ -249,7 +249,7 @@ def halo_time(comm: CommProfile, layer: Layer, width: int | Placement, global_ba
     if placement.spatial == 1:
         return 0.0
     samples = per_device_batch(global_batch_size, placement.groups)
-    return DIRECTIONS * comm.redistribute_time(layer.halo_bytes * samples)
+    return DIRECTIONS * comm.halo_time(layer.halo_bytes * samples)
 
 
 def sync_time(comm: CommProfile, layer: Layer, width: int | Placement) -> float:

@@ -120,6 +120,8 @@ class CommProfile:
     """Communication models.
 
     `link` models a point-to-point message (moving activations, when `redistribute` was not measured);
+    `halo`, when measured, the exchanges of spatially split layers (their own links on CPU), else
+    `redistribute`'s;
     `collective`, when given, the per-link figures of collectives (an inter-node network, say), else
     `link`'s. `allreduce[k]` models one all-reduce call among k devices as measured (algorithm
     included). Gradients are reduced in buckets of `bucket_bytes`: a layer pays the bandwidth term for
@@ -143,6 +145,7 @@ class CommProfile:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     allreduce_scale: float = 1.0
     sync_wait_s: float = 0.0
+    halo: AlphaBeta | None = None
 
     def allreduce_time(self, group_size: int, nbytes: float) -> float:
         """Seconds `nbytes` of gradients add to the bucketed all-reduces among `group_size` devices
@@ -196,6 +199,10 @@ class CommProfile:
         model = self.redistribute or self.link
         return model.time(busiest_rank_bytes)
 
+    def halo_time(self, nbytes: float) -> float:
+        """Seconds of one exchange of `nbytes` between the parts of spatially split samples."""
+        return (self.halo or self.redistribute or self.link).time(nbytes)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "link": asdict(self.link),
@@ -206,6 +213,7 @@ class CommProfile:
             "bucket_bytes": self.bucket_bytes,
             "allreduce_scale": self.allreduce_scale,
             "sync_wait_s": self.sync_wait_s,
+            "halo": asdict(self.halo) if self.halo else None,
         }
 
     @classmethod
@@ -220,6 +228,7 @@ class CommProfile:
             bucket_bytes=int(data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
             allreduce_scale=float(data.get("allreduce_scale", 1.0)),
             sync_wait_s=float(data.get("sync_wait_s", 0.0)),
+            halo=AlphaBeta(**data["halo"]) if data.get("halo") else None,
         )
 
 

@@ -194,7 +194,8 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
         f"interpolated; layer times scaled by {profile.compute_scale:.2f} (a whole pass over the sum of "
         "its layers)",
         f"point-to-point: {_describe(comm.redistribute or comm.link)}"
-        + (" (measured)" if comm.redistribute is not None else ""),
+        + (" (measured)" if comm.redistribute is not None else "")
+        + (f"; halo exchanges: {_describe(comm.halo)} (measured)" if comm.halo is not None else ""),
         f"collectives: {_describe(comm.collective or comm.link)} per link, unless measured; gradients in "
         f"buckets of {comm.bucket_bytes / 2**20:g} MB; {algorithms or 'one device: none'}; all-reduce "
         f"times scaled by {comm.allreduce_scale:.2f} (a training pass's gradients over messages timed "

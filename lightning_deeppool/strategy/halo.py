@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 
 from lightning_deeppool.planner.layout import Transfer
 from lightning_deeppool.planner.spatial import (
@@ -33,6 +32,7 @@ from lightning_deeppool.planner.spatial import (
     part_rows,
     slab,
 )
+from lightning_deeppool.strategy.messages import WORLD, Messages, Posted
 
 Params = tuple[torch.Tensor | None, ...]
 
@@ -92,7 +92,7 @@ class _Geometry(NamedTuple):
     moves: list[Transfer]
     ranks: tuple[int, ...]
     part: int  # this part's index
-    group: dist.ProcessGroup | None
+    messages: Messages
     own_rows: OwnRows | None  # how a padded kernel runs on the own rows first (None: on the slab)
 
     @property
@@ -121,18 +121,18 @@ def windowed(
     size: int,
     ranks: Sequence[int],
     index: int,
-    group: dist.ProcessGroup | None = None,
+    messages: Messages = WORLD,
 ) -> torch.Tensor:
     """`kernel` over the whole sample, for the output rows part `index` holds along `dim`. `local`
-    holds this part's rows of a dimension of `size` rows split over the global `ranks`. Every part of
-    `ranks` must call it with the same arguments but `local` and `index`. Differentiable in `local`
-    and `params`."""
+    holds this part's rows of a dimension of `size` rows split over the global `ranks`, which
+    exchange halos by `messages`. Every part of `ranks` must call it with the same arguments but
+    `local` and `index`. Differentiable in `local` and `params`."""
     parts = len(ranks)
     start, stop = part_rows(size, parts, index)
     need = slab(kernel.window, size, parts, index)
     moves = halo_moves(kernel.window, size, parts)
     first = own_rows(kernel.window, size, parts, index) if isinstance(kernel, PaddedKernel) else None
-    geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, group, first)
+    geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, messages, first)
     function = _Windowed if first is None else _OwnRowsFirst
     return function.apply(local, kernel, geometry, *params)
 
@@ -239,22 +239,22 @@ class _OwnRowsFirst(torch.autograd.Function):
         return (_grad_local(local, geometry, own.start, grad_x, *exchange), None, None, *grad_params)
 
 
-def _exchange_halo(local: torch.Tensor, geometry: _Geometry) -> tuple[list[torch.Tensor], _Pending]:
+def _exchange_halo(local: torch.Tensor, geometry: _Geometry) -> tuple[list[torch.Tensor], Posted]:
     """Post the rows the neighbours need and the buffers for the halo rows they send."""
     dim = geometry.dim
     received = [local.new_empty(_shape(local, dim, m.samples)) for m in geometry.incoming]
     outgoing = {m.dst: local.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
     incoming = {m.src: t for m, t in zip(geometry.incoming, received)}
-    return received, _post(outgoing, incoming, geometry.ranks, geometry.group)
+    return received, _post(outgoing, incoming, geometry)
 
 
 def _return_halo_grads(
     returned: dict[int, torch.Tensor], local: torch.Tensor, geometry: _Geometry
-) -> tuple[dict[int, torch.Tensor], _Pending]:
+) -> tuple[dict[int, torch.Tensor], Posted]:
     """Post the halo rows' gradients to the parts that hold those rows, and the buffers for the
     gradients of the own rows the neighbours read."""
     arriving = {m.dst: local.new_empty(_shape(local, geometry.dim, m.samples)) for m in geometry.outgoing}
-    return arriving, _post(returned, arriving, geometry.ranks, geometry.group)
+    return arriving, _post(returned, arriving, geometry)
 
 
 def _grad_local(
@@ -263,7 +263,7 @@ def _grad_local(
     start: int,
     grad_own: torch.Tensor,
     arriving: dict[int, torch.Tensor],
-    pending: _Pending,
+    pending: Posted,
 ) -> torch.Tensor:
     """The part's gradient: `grad_own` for its rows from `start` on (the others get none from this
     layer), plus what the neighbours' halos sent back."""
@@ -357,7 +357,7 @@ def _assemble(
     received: Sequence[torch.Tensor],
     geometry: _Geometry,
     fill: float,
-    pending: _Pending | None = None,
+    pending: Posted | None = None,
 ) -> torch.Tensor:
     """The slab: padding rows, the halo rows before the own rows, the own rows, the halo rows after,
     padding rows. With `pending` messages, waits for them after copying the own rows. A slab of
@@ -382,49 +382,22 @@ def _assemble(
     return out
 
 
-def gather_parts(
-    mine: torch.Tensor, ranks: Sequence[int], index: int, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def gather_parts(mine: torch.Tensor, ranks: Sequence[int], index: int, messages: Messages) -> torch.Tensor:
     """Every part's `mine` (same shape everywhere), stacked in part order, by point-to-point messages:
     for the few small tensors of a spatial group, cheaper than a collective on gloo."""
     others = {part: torch.empty_like(mine) for part in range(len(ranks)) if part != index}
-    _post(dict.fromkeys(others, mine), others, tuple(ranks), group).wait()
+    messages.post({ranks[p]: mine for p in others}, {ranks[p]: t for p, t in others.items()}).wait()
     return torch.stack([others.get(part, mine) for part in range(len(ranks))])
 
 
-class _Pending(NamedTuple):
-    """Posted messages, and the tensors they read or write (kept alive until they complete)."""
-
-    works: list[dist.Work]
-    ops: list[dist.P2POp]
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
 def _post(
-    outgoing: dict[int, torch.Tensor],
-    incoming: dict[int, torch.Tensor],
-    ranks: tuple[int, ...],
-    group: dist.ProcessGroup | None,
-) -> _Pending:
-    """Send each `outgoing` tensor to its part and receive each `incoming` buffer from its part, all
-    posted at once in part order."""
-    ops = [
-        op
-        for _, op in sorted(
-            [
-                *(
-                    (part, dist.P2POp(dist.isend, t.detach().contiguous(), ranks[part], group))
-                    for part, t in outgoing.items()
-                ),
-                *((part, dist.P2POp(dist.irecv, t, ranks[part], group)) for part, t in incoming.items()),
-            ],
-            key=lambda pair: pair[0],
-        )
-    ]
-    return _Pending(list(dist.batch_isend_irecv(ops)) if ops else [], ops)
+    outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], geometry: _Geometry
+) -> Posted:
+    """Send each `outgoing` tensor to its part and receive each `incoming` buffer from its part."""
+    ranks = geometry.ranks
+    return geometry.messages.post(
+        {ranks[p]: t for p, t in outgoing.items()}, {ranks[p]: t for p, t in incoming.items()}
+    )
 
 
 def _shape(like: torch.Tensor, dim: int, rows: int) -> tuple[int, ...]:

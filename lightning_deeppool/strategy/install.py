@@ -30,6 +30,7 @@ from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
+from lightning_deeppool.strategy.messages import spatial_messages
 from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
 from lightning_deeppool.strategy.schedule import Schedule, build_schedule
@@ -208,6 +209,7 @@ class Installation:
             world=list(unplanned),
             uses=uses,
         )
+        split = any(stage.placement.spatial > 1 for stage in schedule.stages)
         runtime = BurstRuntime(
             captured,
             schedule,
@@ -216,6 +218,7 @@ class Installation:
             grad_sync=grad_sync,
             idle=idle,
             redistribution=groups.redistribution,
+            spatial_messages=spatial_messages(groups.redistribution, device) if split else None,
             shared=shared_batch,
         )
         grad_sync.waiting = runtime.idle_window

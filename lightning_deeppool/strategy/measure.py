@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_deeppool.planner.profile import AlphaBeta, CommProfile
+from lightning_deeppool.strategy.messages import GroupMessages, Messages, spatial_messages
 
 
 def default_group_sizes(world_size: int) -> list[int]:
@@ -54,15 +55,22 @@ def measure_comm(
             allreduce[k] = _fit(sizes_bytes, functools.partial(dist.all_reduce, group=group), repeats, device)
         if group is not None:
             dist.destroy_process_group(group)
-    redistribute = None
+    redistribute = halo = None
+    links = spatial_messages(None, device)
     if rank < 2:
         fitted = _fit(sizes_bytes, _ping_pong(rank), repeats, device, scale=0.5)
-        loaded = _between_computations(rank, device, repeats=max(repeats, 8))
+        loaded = _between_computations(rank, device, GroupMessages(), repeats=max(repeats, 8))
         redistribute = AlphaBeta(max(fitted.latency_s, loaded), fitted.seconds_per_byte)
+        if not isinstance(links, GroupMessages):
+            loaded_here = _between_computations(rank, device, links, repeats=max(repeats, 8))
+            halo = AlphaBeta(loaded_here, fitted.seconds_per_byte)
+    links.close()
     result: list[Any] = [None]
     if redistribute is not None:  # rank 0 always measures it; the other ranks take rank 0's result
         result = [
-            CommProfile(link=redistribute, allreduce=allreduce, redistribute=redistribute, measured=True)
+            CommProfile(
+                link=redistribute, allreduce=allreduce, redistribute=redistribute, measured=True, halo=halo
+            )
         ]
     dist.broadcast_object_list(result, src=0, device=device if device.type == "cuda" else None)
     return result[0]
@@ -72,7 +80,7 @@ def measure_comm(
 COMPUTE_S = 3e-3
 
 
-def _between_computations(rank: int, device: torch.device, repeats: int) -> float:
+def _between_computations(rank: int, device: torch.device, messages: Messages, repeats: int) -> float:
     """Mean seconds of a small exchange between ranks 0 and 1 posted right after both computed, as a
     step's messages are. On a host whose cores are all busy computing, a process's first message
     after a stretch of work waits for its peer's communication thread to get a core: on a 2-core CPU
@@ -88,9 +96,7 @@ def _between_computations(rank: int, device: torch.device, repeats: int) -> floa
             torch.mm(work, work)
         _sync(device)
         start = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)]
-        for request in dist.batch_isend_irecv(ops if rank == 0 else ops[::-1]):
-            request.wait()
+        messages.post({peer: mine}, {peer: theirs}).wait()
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.mean(times[1:])

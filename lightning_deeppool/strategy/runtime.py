@@ -25,6 +25,7 @@ from lightning_deeppool.planner.layout import Layout, Placement
 from lightning_deeppool.strategy.batch import Call, Row, check, prepare
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.idle import IdleWindows
+from lightning_deeppool.strategy.messages import GroupMessages, Messages
 from lightning_deeppool.strategy.redistribute import ROWS, local_block, redistribute
 from lightning_deeppool.strategy.schedule import Action, Schedule, Stage
 from lightning_deeppool.strategy.shared import gather_batch, keep_share
@@ -75,6 +76,7 @@ class BurstRuntime:
         grad_sync: GradSync,
         idle: IdleWindows | None = None,
         redistribution: dist.ProcessGroup | None = None,
+        spatial_messages: Messages | None = None,
         shared: bool = False,
     ) -> None:
         self.captured = captured
@@ -85,6 +87,7 @@ class BurstRuntime:
         self.grad_sync = grad_sync
         self.idle = idle or IdleWindows()
         self.redistribution = redistribution
+        self.spatial_messages = spatial_messages or GroupMessages(redistribution)
         self.home = Placement(self.world_size)
         self.shared = shared
         self.last_action: Action | None = None
@@ -191,7 +194,7 @@ class BurstRuntime:
     def _run_split(self, step: _Step, stage: Stage, values: dict[str, Any], samples: int) -> None:
         """A stage's layers on this rank's rows of its sample group's samples."""
         ranks, index = step.layout(stage.placement).part(self.rank)
-        part = SpatialPart(ranks, index, self.redistribution)
+        part = SpatialPart(ranks, index, self.spatial_messages)
         sizes = {}
         for value in stage.inputs:
             nodes = self.captured.code[value].outputs if value in self.captured.code else (value,)
@@ -413,8 +416,9 @@ class BurstRuntime:
         return pending[0] if pending else None
 
     def close(self) -> None:
-        """Detach from the module: remove gradient hooks."""
+        """Detach from the module: remove gradient hooks, close the spatial layers' links."""
         self.grad_sync.close()
+        self.spatial_messages.close()
 
 
 def _held_shape(leaf: LeafMeta, layout: Layout, rank: int) -> tuple[int, ...]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.capture.graph import BATCH_SIZE, evaluate, unpack
@@ -33,6 +32,7 @@ from lightning_deeppool.capture.spatial import (
 )
 from lightning_deeppool.planner.spatial import Window, part_rows
 from lightning_deeppool.strategy.halo import Kernel, Params, windowed
+from lightning_deeppool.strategy.messages import WORLD, Messages
 from lightning_deeppool.strategy.spatial_norm import split_batch_norm
 
 aten = torch.ops.aten
@@ -41,11 +41,11 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class SpatialPart:
     """This rank's part of samples split by height over the global `ranks` (in part order); halos
-    and statistics move over `messages` (default: the world)."""
+    and statistics move by `messages`."""
 
     ranks: tuple[int, ...]
     index: int
-    messages: dist.ProcessGroup | None = None
+    messages: Messages = WORLD
 
     def rows(self, size: int) -> tuple[int, int]:
         """The rows ``[start, stop)`` of a dimension of `size` rows this part holds."""
@@ -61,7 +61,7 @@ class SpatialPart:
             size=size,
             ranks=self.ranks,
             index=self.index,
-            group=self.messages,
+            messages=self.messages,
         )
 
 
@@ -278,7 +278,7 @@ def _batch_norm(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any
         size=size,
         ranks=part.ranks,
         index=part.index,
-        group=part.messages,
+        messages=part.messages,
     )
     return out, size
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 
 from lightning_deeppool.strategy.halo import gather_parts
+from lightning_deeppool.strategy.messages import WORLD, Messages
 
 
 def split_batch_norm(
@@ -28,11 +28,11 @@ def split_batch_norm(
     size: int,
     ranks: Sequence[int],
     index: int,
-    group: dist.ProcessGroup | None = None,
+    messages: Messages = WORLD,
 ) -> torch.Tensor:
     """`F.batch_norm` for `local`, this part's rows of samples whose dimension `dim` (of `size` rows
     in all) is split over the parts on global `ranks`, this one part `index` (channels at dimension 1);
-    messages go over `group` (default: the world). In training, mean and
+    the parts exchange statistics by `messages`. In training, mean and
     variance come from every part (all-reduced) and the running statistics are updated with them as
     one device would; in evaluation the running statistics are used as they are. Saves only its input
     for backward, as the native BatchNorm does."""
@@ -40,7 +40,7 @@ def split_batch_norm(
         return F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps)
     # Values per channel over every part: known from the shapes, so no collective counts them.
     total = float(size * math.prod(n for i, n in enumerate(local.shape) if i not in (1, dim)))
-    out, mean, var = _SplitNorm.apply(local, weight, bias, total, eps, _Parts(tuple(ranks), index, group))
+    out, mean, var = _SplitNorm.apply(local, weight, bias, total, eps, _Parts(tuple(ranks), index, messages))
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
@@ -50,14 +50,14 @@ def split_batch_norm(
 
 
 class _Parts(NamedTuple):
-    """The parts of a spatial group: their global ranks, this one's index, the messages' group."""
+    """The parts of a spatial group: their global ranks, this one's index, how they exchange."""
 
     ranks: tuple[int, ...]
     part: int
-    group: dist.ProcessGroup | None
+    messages: Messages
 
     def gather(self, mine: torch.Tensor) -> torch.Tensor:
-        return gather_parts(mine, self.ranks, self.part, self.group)
+        return gather_parts(mine, self.ranks, self.part, self.messages)
 
 
 def _statistics(x: torch.Tensor, total: float, parts: _Parts) -> tuple[torch.Tensor, torch.Tensor]:

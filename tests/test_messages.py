@@ -1,0 +1,80 @@
+"""Point-to-point messages of spatial layers: Unix-socket links between the ranks of one host deliver
+what `torch.distributed` delivers, check each message's length, and are chosen for CPU ranks on gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_deeppool.strategy.messages import GroupMessages, LocalLinks, Messages, spatial_messages
+
+from distributed import run_distributed
+
+# (dtype, shape): the last is larger than a socket's buffer, so its sends and receives interleave.
+PAYLOADS = [
+    (torch.float32, (3, 5)),
+    (torch.bfloat16, (2, 7)),
+    (torch.int64, (4,)),
+    (torch.float32, (0, 3)),
+    (torch.float64, (1536, 1024)),
+]
+
+
+def _payload(src: int, dst: int, index: int) -> torch.Tensor:
+    dtype, shape = PAYLOADS[index]
+    g = torch.Generator().manual_seed(100 * src + 10 * dst + index)
+    return (torch.randn(shape, generator=g) * 100).to(dtype)
+
+
+def _links(kind: str) -> Messages:
+    return LocalLinks.connect() if kind == "links" else GroupMessages()
+
+
+def _exchange_every_payload(rank: int, world: int, kind: str) -> bool:
+    """Every rank sends every payload to every other rank at once, one post per payload."""
+    messages = _links(kind)
+    peers = [peer for peer in range(world) if peer != rank]
+    ok = True
+    for index, (dtype, shape) in enumerate(PAYLOADS):
+        outgoing = {peer: _payload(rank, peer, index) for peer in peers}
+        incoming = {peer: torch.empty(shape, dtype=dtype) for peer in peers}
+        messages.post(outgoing, incoming).wait()
+        ok &= all(torch.equal(incoming[peer], _payload(peer, rank, index)) for peer in peers)
+    messages.close()
+    return ok
+
+
+@pytest.mark.parametrize("kind", ["links", "torch.distributed"])
+def test_messages_deliver_every_dtype_and_size_between_three_ranks(kind: str) -> None:
+    assert run_distributed(_exchange_every_payload, 3, 3, kind) == [True, True, True]
+
+
+def _mismatched(rank: int) -> str:
+    links = LocalLinks.connect()
+    try:
+        if rank == 1:
+            links.post({0: torch.zeros(4)}, {}).wait()
+            return "sent"
+        links.post({}, {1: torch.empty(5)}).wait()
+        return "received"
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        links.close()
+
+
+def test_a_message_of_another_length_than_its_buffer_is_refused_by_the_receiver() -> None:
+    found = run_distributed(_mismatched, 2)
+    assert found[1] == "sent"
+    assert "rank 1 sent a message of 16 bytes where this rank expected 20" in found[0]
+
+
+def _chosen(rank: int) -> tuple[str, str]:
+    on_cpu = spatial_messages(None, torch.device("cpu"))
+    on_cuda = spatial_messages(None, torch.device("cuda"))
+    on_cpu.close()
+    return type(on_cpu).__name__, type(on_cuda).__name__
+
+
+def test_cpu_ranks_of_one_host_under_gloo_exchange_over_local_links() -> None:
+    assert run_distributed(_chosen, 2) == [("LocalLinks", "GroupMessages")] * 2
