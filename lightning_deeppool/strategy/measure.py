@@ -56,15 +56,16 @@ def measure_comm(
         if group is not None:
             dist.destroy_process_group(group)
     redistribute = halo = None
-    links = spatial_messages(None, device)
+    # Spatial layers may exchange on links of their own (`spatial_messages`): they get a model of them.
+    spatial = spatial_messages(None, device)
     if rank < 2:
         fitted = _fit(sizes_bytes, _ping_pong(rank), repeats, device, scale=0.5)
         loaded = _between_computations(rank, device, GroupMessages(), repeats=max(repeats, 8))
         redistribute = AlphaBeta(max(fitted.latency_s, loaded), fitted.seconds_per_byte)
-        if not isinstance(links, GroupMessages):
-            loaded_here = _between_computations(rank, device, links, repeats=max(repeats, 8))
-            halo = AlphaBeta(loaded_here, fitted.seconds_per_byte)
-    links.close()
+        if not isinstance(spatial, GroupMessages):
+            loaded = _between_computations(rank, device, spatial, repeats=max(repeats, 8))
+            halo = AlphaBeta(loaded, fitted.seconds_per_byte)
+    spatial.close()
     result: list[Any] = [None]
     if redistribute is not None:  # rank 0 always measures it; the other ranks take rank 0's result
         result = [
