@@ -78,3 +78,41 @@ def _chosen(rank: int) -> tuple[str, str]:
 
 def test_cpu_ranks_of_one_host_under_gloo_exchange_over_local_links() -> None:
     assert run_distributed(_chosen, 2) == [("LocalLinks", "GroupMessages")] * 2
+
+
+def _peer_gone(rank: int) -> str:
+    links = LocalLinks.connect()
+    if rank == 1:
+        links.close()  # as a rank that failed and exited would
+        return "closed"
+    try:
+        links.post({}, {1: torch.empty(3)}).wait()
+        return "received"
+    except ConnectionError as error:
+        return str(error)
+    finally:
+        links.close()
+
+
+def test_a_rank_whose_peer_closed_its_link_fails_instead_of_waiting() -> None:
+    assert run_distributed(_peer_gone, 2) == ["rank 1 closed its link mid-step", "closed"]
+
+
+def _silent_peer(rank: int) -> str:
+    links = LocalLinks.connect(timeout_s=0.2)
+    try:
+        if rank == 1:
+            return "silent"
+        links.post({}, {1: torch.empty(3)}).wait()
+        return "received"
+    except TimeoutError as error:
+        return str(error)
+    finally:
+        torch.distributed.barrier()  # rank 1 keeps its link open until rank 0 gave up
+        links.close()
+
+
+def test_a_message_that_does_not_come_within_the_timeout_raises_naming_the_rank() -> None:
+    found = run_distributed(_silent_peer, 2)
+    assert found[1] == "silent"
+    assert found[0].startswith("no message from ranks [1] within 0.2 s")

@@ -161,7 +161,7 @@ class _Transfer:
             if left <= 0 or not any(select.select(list(self.receives), list(self.sends), [], left)):
                 ranks = sorted({r.rank for r in self.receives.values()})
                 raise TimeoutError(
-                    f"no message from ranks {ranks} within {self.links.timeout_s:.0f} s: a rank stopped "
+                    f"no message from ranks {ranks} within {self.links.timeout_s:g} s: a rank stopped "
                     "or took another path through the step"
                 )
 
