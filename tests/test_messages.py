@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_deeppool.strategy.messages import GroupMessages, LocalLinks, Messages, spatial_messages
+from lightning_deeppool.strategy.shared import gather_batch
 
 from distributed import run_distributed
 
@@ -116,3 +117,25 @@ def test_a_message_that_does_not_come_within_the_timeout_raises_naming_the_rank(
     found = run_distributed(_silent_peer, 2)
     assert found[1] == "silent"
     assert found[0].startswith("no message from ranks [1] within 0.2 s")
+
+
+def _gathered(rank: int, over_links: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared batch of 3 rows held as 2, 1, 0 by ranks 0-2: the whole batch and this rank's grad."""
+    links = LocalLinks.connect() if over_links else None
+    rows = (2, 1, 0)
+    local = (torch.arange(rows[rank] * 4, dtype=torch.float32).reshape(-1, 4) + 10 * rank).requires_grad_()
+    whole = gather_batch(local, rows, rank, links=links)
+    (whole * torch.arange(12.0).reshape(3, 4) * (rank + 1)).sum().backward()
+    if links is not None:
+        links.close()
+    assert local.grad is not None
+    return whole.detach(), local.grad
+
+
+def test_a_shared_batch_gathers_and_sums_its_gradients_over_local_links_as_over_collectives() -> None:
+    over_links = run_distributed(_gathered, 3, True)
+    expected = run_distributed(_gathered, 3, False)
+    for (whole, grad), (whole_ref, grad_ref) in zip(over_links, expected):
+        assert torch.equal(whole, whole_ref) and torch.equal(grad, grad_ref)
+    assert over_links[0][0].tolist()[2] == [10.0, 11.0, 12.0, 13.0]
+    assert over_links[0][1].tolist() == [[0.0, 6.0, 12.0, 18.0], [24.0, 30.0, 36.0, 42.0]]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_deeppool.planner.layout import balanced, offsets
+from lightning_deeppool.strategy.messages import LocalLinks
 
 
 def shares(total: int, world_size: int) -> tuple[int, ...]:
@@ -31,17 +32,32 @@ def checksum(tensors: list[torch.Tensor]) -> int:
 
 
 def gather_batch(
-    local: torch.Tensor, rows: tuple[int, ...], rank: int, group: dist.ProcessGroup | None = None
+    local: torch.Tensor,
+    rows: tuple[int, ...],
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    links: LocalLinks | None = None,
 ) -> torch.Tensor:
-    """Every rank's `rows[r]` rows of dimension 0, concatenated in rank order, on every rank.
-    Differentiable: each rank's gradient is the sum of every rank's gradient for its rows (every rank
-    computed its loss from the whole batch)."""
+    """Every rank's `rows[r]` rows of dimension 0, concatenated in rank order, on every rank, by
+    collectives over `group` or point-to-point over `links`. Differentiable: each rank's gradient is
+    the sum of every rank's gradient for its rows (every rank computed its loss from the whole
+    batch)."""
     if local.is_floating_point() and local.requires_grad:
-        return _Gather.apply(local, rows, rank, group)
-    return _gather(local, rows, group)
+        return _Gather.apply(local, rows, rank, group, links)
+    return _gather(local, rows, rank, group, links)
 
 
-def _gather(local: torch.Tensor, rows: tuple[int, ...], group: dist.ProcessGroup | None) -> torch.Tensor:
+def _gather(
+    local: torch.Tensor,
+    rows: tuple[int, ...],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    links: LocalLinks | None,
+) -> torch.Tensor:
+    if links is not None:
+        others = {r: local.new_empty((n, *local.shape[1:])) for r, n in enumerate(rows) if r != rank}
+        links.post(dict.fromkeys(others, local), others).wait()
+        return torch.cat([others.get(r, local) for r in range(len(rows))])
     most = max(rows)
     padded = local.new_zeros((most, *local.shape[1:]))
     padded[: local.shape[0]] = local
@@ -53,13 +69,25 @@ def _gather(local: torch.Tensor, rows: tuple[int, ...], group: dist.ProcessGroup
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, rows: tuple[int, ...], rank: int, group: dist.ProcessGroup | None
+        ctx: Any,
+        local: torch.Tensor,
+        rows: tuple[int, ...],
+        rank: int,
+        group: dist.ProcessGroup | None,
+        links: LocalLinks | None,
     ) -> torch.Tensor:
-        ctx.rows, ctx.rank, ctx.group = rows, rank, group
-        return _gather(local.detach(), rows, group)
+        ctx.rows, ctx.rank, ctx.group, ctx.links = rows, rank, group, links
+        return _gather(local.detach(), rows, rank, group, links)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total.narrow(0, offsets(ctx.rows)[ctx.rank], ctx.rows[ctx.rank]), None, None, None
+        rows, rank, starts = ctx.rows, ctx.rank, offsets(ctx.rows)
+        if ctx.links is None:
+            total = grad.contiguous().clone()
+            dist.all_reduce(total, group=ctx.group)
+            return total.narrow(0, starts[rank], rows[rank]), None, None, None, None
+        mine = grad.narrow(0, starts[rank], rows[rank])
+        theirs = {r: mine.new_empty(mine.shape) for r in range(len(rows)) if r != rank}
+        outgoing = {r: grad.narrow(0, starts[r], rows[r]) for r in theirs}
+        ctx.links.post(outgoing, theirs).wait()
+        return mine + sum(theirs.values()), None, None, None, None
