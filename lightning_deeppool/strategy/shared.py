@@ -5,7 +5,7 @@ each rank computes one device's loss. This is how a batch smaller than the devic
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,52 +42,49 @@ def gather_batch(
     collectives over `group` or point-to-point over `links`. Differentiable: each rank's gradient is
     the sum of every rank's gradient for its rows (every rank computed its loss from the whole
     batch)."""
+    shares = _Shares(rows, rank, group, links)
     if local.is_floating_point() and local.requires_grad:
-        return _Gather.apply(local, rows, rank, group, links)
-    return _gather(local, rows, rank, group, links)
+        return _Gather.apply(local, shares)
+    return _gather(local, shares)
 
 
-def _gather(
-    local: torch.Tensor,
-    rows: tuple[int, ...],
-    rank: int,
-    group: dist.ProcessGroup | None,
-    links: LocalLinks | None,
-) -> torch.Tensor:
-    if links is not None:
+class _Shares(NamedTuple):
+    """Who holds which rows of a shared batch, and how the ranks reach each other."""
+
+    rows: tuple[int, ...]
+    rank: int
+    group: dist.ProcessGroup | None
+    links: LocalLinks | None
+
+
+def _gather(local: torch.Tensor, shares: _Shares) -> torch.Tensor:
+    rows, rank = shares.rows, shares.rank
+    if shares.links is not None:
         others = {r: local.new_empty((n, *local.shape[1:])) for r, n in enumerate(rows) if r != rank}
-        links.post(dict.fromkeys(others, local), others).wait()
+        shares.links.post(dict.fromkeys(others, local), others).wait()
         return torch.cat([others.get(r, local) for r in range(len(rows))])
-    most = max(rows)
-    padded = local.new_zeros((most, *local.shape[1:]))
+    padded = local.new_zeros((max(rows), *local.shape[1:]))
     padded[: local.shape[0]] = local
     parts = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(parts, padded, group=group)
+    dist.all_gather(parts, padded, group=shares.group)
     return torch.cat([part[:n] for part, n in zip(parts, rows)])
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        local: torch.Tensor,
-        rows: tuple[int, ...],
-        rank: int,
-        group: dist.ProcessGroup | None,
-        links: LocalLinks | None,
-    ) -> torch.Tensor:
-        ctx.rows, ctx.rank, ctx.group, ctx.links = rows, rank, group, links
-        return _gather(local.detach(), rows, rank, group, links)
+    def forward(ctx: Any, local: torch.Tensor, shares: _Shares) -> torch.Tensor:  # type: ignore[override]
+        ctx.shares = shares
+        return _gather(local.detach(), shares)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        rows, rank, starts = ctx.rows, ctx.rank, offsets(ctx.rows)
-        if ctx.links is None:
+        shares: _Shares = ctx.shares
+        rows, rank, starts = shares.rows, shares.rank, offsets(shares.rows)
+        if shares.links is None:
             total = grad.contiguous().clone()
-            dist.all_reduce(total, group=ctx.group)
-            return total.narrow(0, starts[rank], rows[rank]), None, None, None, None
+            dist.all_reduce(total, group=shares.group)
+            return total.narrow(0, starts[rank], rows[rank]), None
         mine = grad.narrow(0, starts[rank], rows[rank])
         theirs = {r: mine.new_empty(mine.shape) for r in range(len(rows)) if r != rank}
-        outgoing = {r: grad.narrow(0, starts[r], rows[r]) for r in theirs}
-        ctx.links.post(outgoing, theirs).wait()
-        return mine + sum(theirs.values()), None, None, None, None
+        shares.links.post({r: grad.narrow(0, starts[r], rows[r]) for r in theirs}, theirs).wait()
+        return mine + sum(theirs.values()), None
