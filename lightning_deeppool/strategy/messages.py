@@ -127,8 +127,9 @@ class _Transfer:
     ) -> None:
         self.links = links
         self.keep = [t.detach().contiguous() for t in outgoing.values()]
+        # No empty piece: a peer that has its whole message may close, and sending 0 bytes then fails.
         self.sends = {
-            links.sockets[rank]: [memoryview(_HEADER.pack(t.nbytes)), _bytes(t)]
+            links.sockets[rank]: [p for p in (memoryview(_HEADER.pack(t.nbytes)), _bytes(t)) if len(p)]
             for rank, t in zip(outgoing, self.keep)
         }
         self.receives = {links.sockets[rank]: _Receive(rank, t) for rank, t in incoming.items()}
