@@ -106,6 +106,8 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
     # Flattened, both shapes fit the MLP; the capture is specialized to the first. (An iterable
     # dataset: every rank gets both batches, in order.)
     reshaped = DataLoader(Batches([(x8, y8), (x8.reshape(8, 3, 4, 16), y8)]), batch_size=None)
+    # A shared batch read with a random flip of its own on rank 1: the same values, elsewhere.
+    flipped = DataLoader([(x8.flip(3) if rank == 1 else x8, y8)], batch_size=None)
     return {
         "untraceable submodule": _fit_error(GatedMLP(), root),
         "untraceable forward": _fit_error(BranchingMLP(), root),
@@ -118,6 +120,9 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
         # A burst plan: a data-parallel one runs each rank's own forward, where both are harmless.
         "per-sample shape changes": _fit_error(make_model("mlp"), root, data=reshaped, steps=2, plan=BURST),
         "one rank's arguments change": _fit_error(OneRankChangesAnArgument(), root, steps=2, plan=BURST),
+        "shared batch differs": _fit_error(
+            make_model("mlp"), root, data=flipped, plan=BURST, shared_batch=True
+        ),
     }
 
 
@@ -184,3 +189,7 @@ def test_arguments_one_rank_cannot_bind_fail_every_rank(errors):
     own, peer = (errors[rank]["one rank's arguments change"] for rank in (1, 0))
     assert "captured with the argument value 1.0 and is now called with 2.0" in own
     assert "ranks [1] could not bind their arguments" in peer
+
+
+def test_a_shared_batch_one_rank_read_flipped_fails_on_every_rank(errors):
+    assert _on_every_rank(errors, "shared batch differs").count("the ranks' batches differ") == 2
