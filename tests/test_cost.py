@@ -239,13 +239,17 @@ def test_a_split_layers_halo_exchange_costs_its_halo_per_group_sample_both_ways(
     assert cost.halo_time(SLOW_LINK, big, Placement(4, 2), 10) == pytest.approx(expected)
 
 
-def test_a_measured_halo_model_prices_halo_exchanges_and_not_moves_between_placements():
+def test_a_measured_halo_model_prices_halo_exchanges_and_moves_to_or_from_split_placements():
     big = splittable(height=10, halo_bytes=800)
     comm = dataclasses.replace(SLOW_LINK, halo=AlphaBeta(latency_s=1e-6, seconds_per_byte=1e-12))
     assert cost.halo_time(comm, big, Placement(4, 2), 10) == pytest.approx(2 * (1e-6 + 800 * 5 * 1e-12))
-    assert cost.transfer_time(comm, 4096, 1, 4, world_size=4, global_batch_size=8) == cost.transfer_time(
-        SLOW_LINK, 4096, 1, 4, world_size=4, global_batch_size=8
-    )
+    sizes = {"world_size": 4, "global_batch_size": 8}
+    # Rank 0 holds samples 0-1 at width 4 and rows 0-4 of samples 0-3 at 4s2: it sends half of
+    # sample 1 and receives half of samples 2 and 3, the busiest rank's share (a sample's worth).
+    to_split = cost.transfer_time(comm, 4096, 4, Placement(4, 2), **sizes, rows=10)
+    assert to_split == pytest.approx(2 * (1e-6 + 4096 * 1e-12))
+    unsplit = cost.transfer_time(comm, 4096, 1, 4, **sizes)
+    assert unsplit == cost.transfer_time(SLOW_LINK, 4096, 1, 4, **sizes)
 
 
 def test_a_halo_model_survives_json_and_profiles_without_one_load_with_none():

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_deeppool.strategy.messages import GroupMessages, LocalLinks, Messages, spatial_messages
+from lightning_deeppool.strategy.messages import (
+    GroupMessages,
+    LocalLinks,
+    Messages,
+    spatial_messages,
+    sum_over,
+)
 from lightning_deeppool.strategy.shared import gather_batch
 
 from distributed import run_distributed
@@ -48,6 +54,27 @@ def _exchange_every_payload(rank: int, world: int, kind: str) -> bool:
 @pytest.mark.parametrize("kind", ["links", "torch.distributed"])
 def test_messages_deliver_every_dtype_and_size_between_three_ranks(kind: str) -> None:
     assert run_distributed(_exchange_every_payload, 3, 3, kind) == [True, True, True]
+
+
+def _summed(rank: int, world: int, kind: str) -> list[torch.Tensor]:
+    """Ranks 0..2 of `world` sum their values (in float32: an order of additions shows in the bits);
+    rank 3, if any, is not among them and keeps its own."""
+    messages = _links(kind)
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(rank)) * 10 ** (3 * rank)
+    if rank < 3:
+        sum_over(messages, values, range(3), rank)
+    messages.close()
+    return [values]
+
+
+@pytest.mark.parametrize("kind", ["links", "torch.distributed"])
+def test_a_sum_over_messages_gives_every_rank_the_same_bits_added_in_rank_order(kind: str) -> None:
+    found = [values for (values,) in run_distributed(_summed, 4, 4, kind)]
+    own = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) * 10 ** (3 * r) for r in range(4)]
+    in_order = (own[0] + own[1]) + own[2]
+    assert all(torch.equal(values, in_order) for values in found[:3])
+    assert not torch.equal(in_order, own[0] + (own[1] + own[2]))  # the order does show in the bits
+    assert torch.equal(found[3], own[3])
 
 
 def _mismatched(rank: int) -> str:

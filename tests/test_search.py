@@ -382,6 +382,9 @@ def test_spatial_plans_are_exactly_optimal_against_enumerating_every_candidate_p
         graph = graph_of([*layers, layer("head", [layers[-1].name], params=rng.choice([0, 100_000]))])
     times = {item.name: (rng.uniform(1e-5, 1e-3), rng.uniform(1e-5, 1e-2)) for item in graph.layers}
     profile = linear_profile(graph, times, max_batch=batch + 1)
+    if seed % 4 >= 2:  # the spatial layers' messages on links of their own, priced apart
+        halo = AlphaBeta(rng.uniform(1e-6, 1e-4), rng.uniform(1e-11, 1e-9))
+        profile = dataclasses.replace(profile, comm=dataclasses.replace(profile.comm, halo=halo))
     options = {
         item.name: [
             p for p in candidate_placements(world_size, batch) if p.spatial == 1 or p.spatial <= item.height

@@ -92,7 +92,7 @@ def _errors(
         rank=rank,
         device=torch.device("cpu"),
         grad_sync=grad_sync,
-        spatial_messages=LocalLinks.connect() if links else None,
+        messages=LocalLinks.connect() if links else None,
         shared=shared,
     )
     planned = x[mine].clone().requires_grad_(not shared)

@@ -16,8 +16,10 @@ costs, per layer:
 - transfer: redistributing activations forward and their gradients backward on every edge whose ends
   have different placements, sized by the samples the busiest rank sends or receives
   (`busiest_samples`) or, where an end is split by height, its share of samples with rows counted as
-  fractions of a sample of the consumer's height (`busiest_shares`, `value_rows`); and, split by
-  height, the halo exchange: ``halo_bytes * b`` out and the halo gradients back (`halo_time`).
+  fractions of a sample of the consumer's height (`busiest_shares`, `value_rows`), and then priced as
+  the spatial layers' messages (`CommProfile.halo_time`: the runtime moves values on their links
+  where they have them); and, split by height, the halo exchange: ``halo_bytes * b`` out and the halo
+  gradients back (`halo_time`).
 
 Graph inputs and outputs live at width N (with a global batch B < N, ranks B.. hold no sample).
 Every layer needs ``g <= B`` (each group at least one sample), so with B < N only layers split by
@@ -281,7 +283,8 @@ def transfer_time(
     """Seconds to redistribute one value between two placements, forward and backward (0 if equal).
 
     Between widths the busiest rank's whole samples (`busiest_samples`); where either side is split by
-    height, its share of samples with rows as fractions (`busiest_shares`) of a value of `rows` rows.
+    height, its share of samples with rows as fractions (`busiest_shares`) of a value of `rows` rows,
+    priced as the spatial layers' messages.
     """
     src, dst = Placement.of(src_width), Placement.of(dst_width)
     if src == dst:
@@ -290,7 +293,8 @@ def transfer_time(
     if split and rows < 1:
         raise ValueError(f"moving a value between {src} and {dst} needs its rows (>= 1), got {rows}")
     share = busiest_shares([src, dst], rows if split else 1, world_size, global_batch_size)[0, 1]
-    return DIRECTIONS * comm.redistribute_time(float(share) * sample_bytes)
+    price = comm.halo_time if split else comm.redistribute_time
+    return DIRECTIONS * price(float(share) * sample_bytes)
 
 
 def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int) -> np.ndarray:

@@ -417,14 +417,15 @@ class _TransferTable:
         self._cache: dict[tuple[int, int], np.ndarray] = {}
 
     def _shares(self, rows: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
-        """Distinct busiest shares between every pair, and where each pair's is."""
+        """Distinct busiest shares between every pair, and where each pair's is; a pair with a side
+        split by height has its share negated, to be priced as the spatial layers' messages."""
         rows = rows if self._split.any() else 0
         if rows not in self._busiest:
             busiest: np.ndarray = self._plain
             if rows:
                 either = self._split[:, None] | self._split[None, :]
                 shares = cost.busiest_shares(self._placements, rows, *self._sizes)
-                busiest = np.where(either, shares, self._plain)
+                busiest = np.where(either, -shares, self._plain)
             values, inverse = np.unique(busiest, return_inverse=True)
             self._busiest[rows] = values, inverse, busiest.shape
         return self._busiest[rows]
@@ -433,7 +434,13 @@ class _TransferTable:
         key = (sample_bytes, rows if self._split.any() else 0)
         if key not in self._cache:
             values, inverse, shape = self._shares(rows)
-            per_value = np.array([self._comm.redistribute_time(v * sample_bytes) for v in values.tolist()])
+            comm = self._comm
+            per_value = np.array(
+                [
+                    comm.redistribute_time(v * sample_bytes) if v >= 0 else comm.halo_time(-v * sample_bytes)
+                    for v in values.tolist()
+                ]
+            )
             self._cache[key] = cost.DIRECTIONS * per_value[inverse].reshape(shape)
         return self._cache[key]
 

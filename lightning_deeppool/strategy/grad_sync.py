@@ -11,7 +11,9 @@ received nothing keeps ``grad is None``, as on one device. Which parameters are 
 every owner: they run the same layers on the same graph.
 
 During the final backward pass of a step the schedule's buckets are launched as soon as their gradients
-are final, so the all-reduce overlaps the rest of the backward, always in bucket order.
+are final, so the all-reduce overlaps the rest of the backward, always in bucket order. Where the ranks
+have local links (`messages.LocalLinks`), a bucket is summed over them when it launches instead: on busy
+CPU cores, launching gloo's asynchronous all-reduce alone blocked for 2 ms.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_deeppool.strategy.messages import LocalLinks, sum_over
 from lightning_deeppool.strategy.schedule import Bucket
 
 
@@ -44,8 +47,10 @@ class GradSync:
         world: Sequence[str] = (),
         uses: Mapping[str, int] | None = None,
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
+        links: LocalLinks | None = None,
     ) -> None:
         self.params = params
+        self.links = links
         self.groups = groups
         self.world_size = world_size
         self._assign([Bucket(b.index, b.width, tuple(b.params)) for b in buckets], list(local), list(world))
@@ -193,7 +198,12 @@ class GradSync:
         # costs as much as the all-reduce itself.
         flat = grads[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in grads])
         flat.div_(self.world_size)
-        work = dist.all_reduce(flat, group=self._group(width), async_op=True) if width > 1 else None
+        work = None
+        if width > 1 and self.links is not None:
+            with self.waiting():
+                sum_over(self.links, flat, range(width), dist.get_rank())
+        elif width > 1:
+            work = dist.all_reduce(flat, group=self._group(width), async_op=True)
         self._fresh.difference_update(names)
         self._in_flight.update(names)
         self._pending.append((work, flat, parts))

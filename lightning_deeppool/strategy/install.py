@@ -30,7 +30,7 @@ from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
 from lightning_deeppool.strategy.grad_sync import GradSync
 from lightning_deeppool.strategy.groups import PlanGroups
 from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.messages import spatial_messages
+from lightning_deeppool.strategy.messages import LocalLinks, spatial_messages
 from lightning_deeppool.strategy.profiling import profile_on_ranks
 from lightning_deeppool.strategy.runtime import BurstRuntime
 from lightning_deeppool.strategy.schedule import Schedule, build_schedule
@@ -200,6 +200,8 @@ class Installation:
         for used_by_layer in captured.layer_params.values():
             for name in used_by_layer:
                 uses[name] = uses.get(name, 0) + 1
+        split = any(stage.placement.spatial > 1 for stage in schedule.stages)
+        messages = spatial_messages(groups.redistribution, device) if split else None
         grad_sync = GradSync(
             {**params, **unplanned},
             groups,
@@ -208,8 +210,8 @@ class Installation:
             local=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
             world=list(unplanned),
             uses=uses,
+            links=messages if isinstance(messages, LocalLinks) else None,
         )
-        split = any(stage.placement.spatial > 1 for stage in schedule.stages)
         runtime = BurstRuntime(
             captured,
             schedule,
@@ -218,7 +220,7 @@ class Installation:
             grad_sync=grad_sync,
             idle=idle,
             redistribution=groups.redistribution,
-            spatial_messages=spatial_messages(groups.redistribution, device) if split else None,
+            messages=messages,
             shared=shared_batch,
         )
         grad_sync.waiting = runtime.idle_window

@@ -15,7 +15,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -224,6 +224,19 @@ def _read_exactly(link: socket.socket, count: int) -> bytes:
             raise ConnectionError("a rank closed its link while connecting")
         data += chunk
     return data
+
+
+def sum_over(messages: Messages, flat: torch.Tensor, ranks: Sequence[int], rank: int) -> None:
+    """Replace `flat` on this `rank` of `ranks` by the sum of every one's `flat`, exchanged by
+    `messages` and added in rank order, so every rank gets the same bits. Collective over `ranks`."""
+    others = {r: torch.empty_like(flat) for r in ranks if r != rank}
+    messages.post(dict.fromkeys(others, flat), others).wait()
+    ordered = sorted(ranks)
+    total = flat if ordered[0] == rank else others[ordered[0]]
+    for r in ordered[1:]:
+        total.add_(flat if r == rank else others[r])
+    if total is not flat:
+        flat.copy_(total)
 
 
 def spatial_messages(group: dist.ProcessGroup | None, device: torch.device) -> Messages:

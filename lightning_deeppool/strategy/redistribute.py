@@ -1,5 +1,5 @@
 """Move a batch tensor's samples (and, under spatial splits, rows) from one layout to another with
-point-to-point messages."""
+point-to-point messages (at most one between two ranks: their blocks overlap in one block)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.distributed as dist
 
 from lightning_deeppool.planner.layout import Block, Layout, pieces
+from lightning_deeppool.strategy.messages import WORLD, Messages
 
 ROWS = 2  # the split dimension of a samples-first image batch (N, C, H, W)
 
@@ -24,16 +24,15 @@ def redistribute(
     dtype: torch.dtype,
     device: torch.device,
     waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
-    group: dist.ProcessGroup | None = None,
+    messages: Messages = WORLD,
 ) -> torch.Tensor | None:
     """Return this rank's part of the batch under layout `dst`, given its part under `src`.
 
     Every rank whose samples move must call it with the same layouts; the others may skip it.
     `local` is None on ranks that hold nothing under `src`; ranks that hold nothing under `dst`
     get None back. When either layout splits rows, they are dimension `ROWS` of the tensor and
-    ``sample_shape[ROWS - 1]`` of the whole sample. Messages are posted sorted by peer so every pair
-    of ranks agrees on order. The wait for them runs inside `waiting()` (an idle window); `group`
-    (default: the world) must contain every rank, peers being global ranks.
+    ``sample_shape[ROWS - 1]`` of the whole sample. The pieces travel by `messages` (peers are
+    global ranks); the wait for them runs inside `waiting()` (an idle window).
     """
     split = src.spatial > 1 or dst.spatial > 1
     size = sample_shape[ROWS - 1] if split else 1
@@ -48,18 +47,19 @@ def redistribute(
         kept = mine.overlap(wanted)
         if kept is not None:
             _region(out, wanted, kept, split).copy_(_region(local, mine, kept, split))
-    ops, landed = [], []
+    outgoing, incoming, landed = {}, {}, []
     for piece in pieces(src, dst, size):
         if piece.src == rank and local is not None:
             # In the value's declared dtype (one device's), whatever precision the sender computed in.
-            chunk = _region(local, mine, piece.block, split).to(dtype).contiguous()
-            ops.append(dist.P2POp(dist.isend, chunk, piece.dst, group))
+            outgoing[piece.dst] = _region(local, mine, piece.block, split).to(dtype).contiguous()
         elif piece.dst == rank and out is not None:
             view = _region(out, wanted, piece.block, split)
-            buffer = view if view.is_contiguous() else torch.empty_like(view)
-            landed.append((view, buffer))
-            ops.append(dist.P2POp(dist.irecv, buffer, piece.src, group))
-    post_and_wait(ops, waiting)
+            incoming[piece.src] = view if view.is_contiguous() else torch.empty_like(view)
+            landed.append((view, incoming[piece.src]))
+    if outgoing or incoming:
+        posted = messages.post(outgoing, incoming)
+        with waiting():
+            posted.wait()
     for view, buffer in landed:
         if buffer is not view:
             view.copy_(buffer)
@@ -84,14 +84,3 @@ def _region(tensor: torch.Tensor, held: Block, part: Block, split: bool) -> torc
     """The view of `part` in `tensor`, which holds `held`."""
     view = tensor.narrow(0, part.start - held.start, part.samples)
     return view.narrow(ROWS, part.row_start - held.row_start, part.rows) if split else view
-
-
-def post_and_wait(
-    ops: list[dist.P2POp], waiting: Callable[[], AbstractContextManager[None]] = nullcontext
-) -> None:
-    """Post point-to-point messages at once and wait for all of them inside `waiting()`."""
-    if ops:
-        works = dist.batch_isend_irecv(ops)
-        with waiting():
-            for work in works:
-                work.wait()

@@ -76,7 +76,7 @@ class BurstRuntime:
         grad_sync: GradSync,
         idle: IdleWindows | None = None,
         redistribution: dist.ProcessGroup | None = None,
-        spatial_messages: Messages | None = None,
+        messages: Messages | None = None,
         shared: bool = False,
     ) -> None:
         self.captured = captured
@@ -87,10 +87,10 @@ class BurstRuntime:
         self.grad_sync = grad_sync
         self.idle = idle or IdleWindows()
         self.redistribution = redistribution
-        self.spatial_messages = spatial_messages or GroupMessages(redistribution)
-        # Where the spatial layers have links of their own, a shared batch's outputs go over them too
-        # (gloo's collectives cost 1.5-3 ms each on busy CPU cores).
-        self._links = spatial_messages if isinstance(spatial_messages, LocalLinks) else None
+        # Point-to-point moves and the spatial layers' exchanges; where they go over local links, a
+        # shared batch's outputs do too (gloo's collectives cost 1.5-3 ms each on busy CPU cores).
+        self.messages = messages or GroupMessages(redistribution)
+        self._links = messages if isinstance(messages, LocalLinks) else None
         self.home = Placement(self.world_size)
         self.shared = shared
         self.last_action: Action | None = None
@@ -197,7 +197,7 @@ class BurstRuntime:
     def _run_split(self, step: _Step, stage: Stage, values: dict[str, Any], samples: int) -> None:
         """A stage's layers on this rank's rows of its sample group's samples."""
         ranks, index = step.layout(stage.placement).part(self.rank)
-        part = SpatialPart(ranks, index, self.spatial_messages)
+        part = SpatialPart(ranks, index, self.messages)
         sizes = {}
         for value in stage.inputs:
             nodes = self.captured.code[value].outputs if value in self.captured.code else (value,)
@@ -266,7 +266,7 @@ class BurstRuntime:
                 dtype=leaf.dtype,
                 device=self.device,
                 waiting=self.idle_window,
-                group=self.redistribution,
+                messages=self.messages,
             )
             moved.append(rows_view(result, leaf) if result is not None else None)
         return moved if dst.samples(self.rank) > 0 else None
@@ -420,9 +420,9 @@ class BurstRuntime:
         return pending[0] if pending else None
 
     def close(self) -> None:
-        """Detach from the module: remove gradient hooks, close the spatial layers' links."""
+        """Detach from the module: remove gradient hooks, close the local links."""
         self.grad_sync.close()
-        self.spatial_messages.close()
+        self.messages.close()
 
 
 def _held_shape(leaf: LeafMeta, layout: Layout, rank: int) -> tuple[int, ...]:
