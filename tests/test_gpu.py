@@ -1,5 +1,6 @@
 """CUDA paths: CUDA-event profiling and peak memory, 16-mixed and bf16-mixed on the runtime, NCCL
-burst runtime. Skipped without CUDA (tests/conftest.py); the multi-GPU ones also need two devices."""
+burst runtime, the shared batch's summary. Skipped without CUDA (tests/conftest.py); the multi-GPU
+ones also need two devices."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 from lightning_deeppool import DeepPoolStrategy
 from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.planner.profiler import profile_layers
+from lightning_deeppool.strategy.shared import checksum
 
 from distributed import run_distributed
 from models import fit_one_device, max_param_diff
@@ -130,3 +132,11 @@ def _sixteen_mixed(rank: int) -> int:
 @two_gpus
 def test_sixteen_mixed_trains_with_a_mixed_width_plan():
     assert _sixteen_mixed(0) == 4
+
+
+def test_a_shared_batch_summary_on_the_gpu_equals_the_cpus():
+    x = torch.randn(2, 3, 33, 17)
+    labels = torch.randint(0, 4, (2, 5))
+    on_cpu = checksum([x, labels])
+    assert checksum([x.cuda(), labels.cuda()]) == on_cpu
+    assert checksum([x.flip(3).cuda(), labels.cuda()]) != on_cpu
