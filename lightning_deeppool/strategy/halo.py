@@ -72,11 +72,12 @@ class PaddedKernel(Kernel, Protocol):
     def padded(self, rows: int) -> PaddedKernel:
         """The same kernel with `rows` zero rows at both ends of the split dimension."""
 
-    def halo_param_grads(
+    def halo_grads(
         self, grad: torch.Tensor, halo: torch.Tensor, params: Params, wanted: Sequence[bool]
-    ) -> Params:
-        """What rows holding only the halo (zeros elsewhere) add to the parameters' gradients (`wanted`
-        of them): the parameters' gradients must be linear in the input."""
+    ) -> tuple[torch.Tensor | None, Params]:
+        """In one call, for output rows `grad` read from a slab holding only the halo (zeros
+        elsewhere): the slab's gradient (its values are not needed) and what the halo adds to the
+        parameters' gradients (`wanted`, input first): those must be linear in the input."""
 
     def grads(
         self, grad: torch.Tensor, x: torch.Tensor, params: Params, wanted: Sequence[bool]
@@ -209,15 +210,21 @@ class _OwnRowsFirst(torch.autograd.Function):
         assert own is not None
         local, received, params = _saved(ctx)
         dim, wants_input = geometry.dim, ctx.needs_input_grad[0]
+        wanted = (wants_input, *ctx.needs_input_grad[3:])
+        # First, per boundary, the halo rows' gradients (sent at once, to travel while the rest is
+        # computed) and what the halo adds to the weights' gradients.
+        halo_grads = [
+            kernel.halo_grads(
+                _rows(grad, dim, b),
+                _boundary_slab(local, received, geometry, b, ctx.dtype, own=False),
+                params,
+                wanted,
+            )
+            for b in own.boundaries
+        ]
         exchange = None
         if wants_input:  # the same on every part: each runs this layer on its rows of the same value
-            # The halo rows' gradients first, so they travel while the rest is computed.
-            slab_grads = [
-                kernel.input_grad(
-                    _rows(grad, dim, b), torch.Size(_shape(local, dim, b.stop - b.start)), params, None
-                )
-                for b in own.boundaries
-            ]
+            slab_grads = [slab_grad for slab_grad, _ in halo_grads if slab_grad is not None]
             returned = {
                 m.src: _halo_grad(slab_grads, own.boundaries, m, dim).to(local.dtype)
                 for m in geometry.incoming
@@ -225,13 +232,10 @@ class _OwnRowsFirst(torch.autograd.Function):
             exchange = _return_halo_grads(returned, local, geometry)
         # An input's gradient does not depend on its values: the own rows' run gives the own rows'
         # whole gradient. The weights' does: the halo rows add theirs to the own rows' run's.
-        wanted = (wants_input, *ctx.needs_input_grad[3:])
         grad_x, *grad_params = kernel.padded(own.padding).grads(
             grad, _own_input(local, geometry), params, wanted
         )
-        for boundary in own.boundaries:
-            halo = _boundary_slab(local, received, geometry, boundary, ctx.dtype, own=False)
-            extra = kernel.halo_param_grads(_rows(grad, dim, boundary), halo, params, wanted[1:])
+        for _, extra in halo_grads:
             grad_params = [g if e is None else e if g is None else g + e for g, e in zip(grad_params, extra)]
         if exchange is None:
             return (None, None, None, *grad_params)

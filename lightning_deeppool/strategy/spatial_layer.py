@@ -144,11 +144,12 @@ class Convolution:
     def padded(self, rows: int) -> Convolution:
         return dataclasses.replace(self, padding=[rows, *self.padding[1:]])
 
-    def halo_param_grads(
+    def halo_grads(
         self, grad: torch.Tensor, halo: torch.Tensor, params: Params, wanted: Sequence[bool]
-    ) -> Params:
+    ) -> tuple[torch.Tensor | None, Params]:
         # The weight's gradient is linear in the input; the bias's does not read it (counted once).
-        return self.param_grads(grad, lambda: halo, params, None, [wanted[0], False])
+        grad_slab, grad_weight, _ = self.grads(grad, halo, params, [wanted[0], wanted[1], False])
+        return grad_slab, (grad_weight, None)
 
     def grads(
         self, grad: torch.Tensor, x: torch.Tensor, params: Params, wanted: Sequence[bool]
