@@ -1,7 +1,7 @@
 """Training with spatially split layers under Lightning gives one device's parameters (SGD): a conv net
 with BatchNorm, a grouped stride-2 convolution, max pooling, a residual add and a concatenation, its
 heights split unevenly over 2, 3 and 4 ranks; and a shared global batch of one sample on 2 ranks
-(pinned) and 4 (planned automatically)."""
+(pinned; also accumulating two batches a step, clipped) and 4 (planned automatically)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,17 @@ class Case:
     global_batch: int
     shared_batch: bool = False
     expected: tuple[tuple[str, int, int], ...] = ()  # (layer, width, spatial)
+    accumulate: int = 1  # batches per optimizer step (gradients clipped when above 1)
+
+    @property
+    def trainer(self) -> dict[str, Any]:
+        if self.accumulate == 1:
+            return {}
+        return {"accumulate_grad_batches": self.accumulate, "gradient_clip_val": 0.5}
+
+    @property
+    def batches(self) -> int:
+        return STEPS * self.accumulate
 
 
 def split(width: int, spatial: int) -> dict[str, int]:
@@ -71,6 +82,15 @@ CASES = {
         shared_batch=True,
         expected=(("body_stem", 2, 2), ("body_block", 2, 2), ("body_head", 1, 1)),
     ),
+    # Gradients summed over the local links only at the last batch of each step, then clipped.
+    "2-ranks-one-shared-sample-accumulating": Case(
+        2,
+        {"": split(2, 2), "body.mix": 1, "body.head": 1},
+        global_batch=1,
+        shared_batch=True,
+        expected=(("body_stem", 2, 2), ("body_head", 1, 1)),
+        accumulate=2,
+    ),
     # On images this small no split pays: the plan may run everything on rank 0, but must train.
     "4-ranks-one-shared-sample-automatic-plan": Case(4, None, global_batch=1, shared_batch=True),
 }
@@ -84,10 +104,13 @@ def _fit(rank: int, case: Case, init: dict[str, torch.Tensor], root: str) -> dic
         plan=case.plan, shared_batch=case.shared_batch, cache_dir=False, profile_warmup=0, profile_repeats=1
     )
     trainer = pl.Trainer(
-        **trainer_kwargs(devices=case.world_size, strategy=strategy, default_root_dir=root, max_steps=STEPS)
+        **trainer_kwargs(
+            devices=case.world_size, strategy=strategy, default_root_dir=root, max_steps=STEPS, **case.trainer
+        )
     )
     local_batch = case.global_batch if case.shared_batch else case.global_batch // case.world_size
-    trainer.fit(model, DataLoader(images(STEPS * case.global_batch, size=TALL), batch_size=local_batch))
+    data = images(case.batches * case.global_batch, size=TALL)
+    trainer.fit(model, DataLoader(data, batch_size=local_batch))
     assert strategy.plan is not None
     return {
         "params": parameters(model),
@@ -102,7 +125,8 @@ def outcome(request, tmp_path_factory) -> tuple[Case, pl.LightningModule, list[d
     case = CASES[request.param]
     reference = make_model("spatial")
     init = {k: v.clone() for k, v in reference.state_dict().items()}
-    reference_fit(reference, images(STEPS * case.global_batch, size=TALL), case.global_batch, max_steps=STEPS)
+    data = images(case.batches * case.global_batch, size=TALL)
+    reference_fit(reference, data, case.global_batch, max_steps=STEPS, **case.trainer)
     root = str(tmp_path_factory.mktemp(request.param))
     return case, reference, run_distributed(_fit, case.world_size, case, init, root)
 
