@@ -11,8 +11,8 @@ import random
 import time
 from pathlib import Path
 
-from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
-from lightning_deeppool.planner.profile import LayerProfile, Profile
+from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
+from lightning_deeppool.ir.profile import LayerProfile, Profile
 from lightning_deeppool.planner.search import search
 
 GLOBAL_BATCH_SIZE = 1024

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
+from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
-from lightning_deeppool.planner.layout import Placement
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 
 # A slow link, so that transfers and syncs compete with compute in millisecond-sized examples.
 SLOW_LINK = CommProfile(link=AlphaBeta(latency_s=20e-6, seconds_per_byte=1e-9))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_deeppool import DeepPoolStrategy
-from lightning_deeppool.strategy.amp import make_scaler_agree
+from lightning_deeppool.strategy.patches import make_scaler_agree
 
 from distributed import run_distributed
 from models import fit_one_device, max_param_diff

@@ -33,7 +33,7 @@ from lightning_deeppool.background.throttle import (
     window_budget,
 )
 from lightning_deeppool.planner.plan import LayerPlan, Plan
-from lightning_deeppool.strategy.idle import HISTORY, IdleWindows
+from lightning_deeppool.runtime.idle import HISTORY, IdleWindows
 
 
 class Trial(pl.LightningModule):

@@ -3,13 +3,13 @@ from pathlib import Path
 
 import pytest
 
-from lightning_deeppool.planner.cache import (
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
+from lightning_deeppool.profiling.cache import (
     default_cache_dir,
     load_cached_profile,
     profile_cache_key,
     save_cached_profile,
 )
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 
 KEY_ARGS = ("abc123", {"x": [[3, 32, 32], "float32"]}, "float32", "cpu", 2, 64)
 OTHER_VALUES = ("def456", {"x": [[3, 64, 64], "float32"]}, "bfloat16", "NVIDIA H100", 4, 128)

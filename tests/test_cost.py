@@ -6,16 +6,16 @@ import itertools
 import numpy as np
 import pytest
 
-from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.graph import Layer, LayerGraph, Tied
-from lightning_deeppool.planner.layout import (
+from lightning_deeppool.ir.graph import Layer, LayerGraph, Tied
+from lightning_deeppool.ir.placement import (
     Layout,
     Placement,
     balanced,
     busiest_rank_samples,
     busiest_rank_share,
 )
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
+from lightning_deeppool.planner import cost
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 

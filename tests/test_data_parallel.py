@@ -13,9 +13,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_deeppool import DeepPoolStrategy
-from lightning_deeppool.strategy.calls import CallAgreement
-from lightning_deeppool.strategy.grad_sync import GradSync
-from lightning_deeppool.strategy.schedule import Bucket
+from lightning_deeppool.lowering.schedule import Bucket
+from lightning_deeppool.runtime.grad_sync import GradSync
+from lightning_deeppool.strategy.call_agreement import CallAgreement
 
 from distributed import run_distributed
 from models import (

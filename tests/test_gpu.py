@@ -8,8 +8,8 @@ from torch import nn
 
 from lightning_deeppool import DeepPoolStrategy
 from lightning_deeppool.capture import capture_graph
-from lightning_deeppool.planner.profiler import profile_layers
-from lightning_deeppool.strategy.shared import checksum
+from lightning_deeppool.profiling.layers import profile_layers
+from lightning_deeppool.runtime.shared_batch import checksum
 
 from distributed import run_distributed
 from models import fit_one_device, max_param_diff
@@ -52,10 +52,10 @@ def test_mixed_precision_on_one_gpu_trains_like_lightnings_ddp(precision: str):
 
 
 def _nccl_gradients(rank: int) -> float:
-    from lightning_deeppool.strategy.grad_sync import GradSync
-    from lightning_deeppool.strategy.groups import PlanGroups
-    from lightning_deeppool.strategy.runtime import BurstRuntime
-    from lightning_deeppool.strategy.schedule import build_schedule
+    from lightning_deeppool.comm.groups import PlanGroups
+    from lightning_deeppool.lowering.schedule import build_schedule
+    from lightning_deeppool.runtime.grad_sync import GradSync
+    from lightning_deeppool.runtime.runtime import BurstRuntime
 
     torch.cuda.set_device(rank)
     torch.manual_seed(0)

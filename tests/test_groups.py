@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.strategy.groups import PlanGroups
+from lightning_deeppool.comm.groups import PlanGroups
 
 from distributed import run_distributed
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from lightning_deeppool.planner.layout import Transfer
-from lightning_deeppool.planner.spatial import (
+from lightning_deeppool.ir.placement import Transfer
+from lightning_deeppool.ir.rows import (
     Boundary,
     OwnRows,
     Slab,
@@ -19,9 +19,9 @@ from lightning_deeppool.planner.spatial import (
     row_parts,
     slab,
 )
-from lightning_deeppool.strategy.halo import Kernel, windowed
-from lightning_deeppool.strategy.spatial_layer import Convolution, MaxPooling
-from lightning_deeppool.strategy.spatial_norm import split_batch_norm
+from lightning_deeppool.spatial.batch_norm import split_batch_norm
+from lightning_deeppool.spatial.halo import Kernel, windowed
+from lightning_deeppool.spatial.layer import Convolution, MaxPooling
 
 from distributed import run_distributed
 

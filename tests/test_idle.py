@@ -8,7 +8,7 @@ import pickle
 import threading
 import time
 
-from lightning_deeppool.strategy.idle import HISTORY, IdleWindows
+from lightning_deeppool.runtime.idle import HISTORY, IdleWindows
 
 
 def test_a_window_is_open_only_inside_its_block_and_nested_windows_count_once() -> None:

@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from lightning_deeppool.planner.profile import CommProfile
-from lightning_deeppool.strategy.measure import default_group_sizes, fit_alpha_beta, measure_comm
+from lightning_deeppool.ir.profile import CommProfile
+from lightning_deeppool.profiling.comm import default_group_sizes, fit_alpha_beta, measure_comm
 
 from distributed import run_distributed
 

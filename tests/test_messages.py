@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_deeppool.strategy.messages import (
+from lightning_deeppool.comm.messages import (
     GroupMessages,
     LocalLinks,
     Messages,
     spatial_messages,
     sum_over,
 )
-from lightning_deeppool.strategy.shared import gather_batch
+from lightning_deeppool.runtime.shared_batch import gather_batch
 
 from distributed import run_distributed
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_deeppool.planner.layout import Placement
+from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.planner.plan import (
     PLAN_VERSION,
     Plan,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_deeppool.planner.graph import LayerGraph
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
+from lightning_deeppool.ir.graph import LayerGraph
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner.search import search
 
 PROFILES = Path(__file__).parent / "data" / "profiles"

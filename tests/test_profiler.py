@@ -3,8 +3,8 @@ import torch
 from torch import nn
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile, LayerProfile, Profile
-from lightning_deeppool.planner.profiler import (
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
+from lightning_deeppool.profiling.layers import (
     assign_layers,
     candidate_batch_sizes,
     merge_layer_profiles,

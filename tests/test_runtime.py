@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from lightning_deeppool.capture import capture_graph
-from lightning_deeppool.strategy.grad_sync import GradSync
-from lightning_deeppool.strategy.groups import PlanGroups
-from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import build_schedule
+from lightning_deeppool.comm.groups import PlanGroups
+from lightning_deeppool.lowering.schedule import build_schedule
+from lightning_deeppool.runtime.grad_sync import GradSync
+from lightning_deeppool.runtime.runtime import BurstRuntime
 
 from distributed import run_distributed
 

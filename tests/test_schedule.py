@@ -1,4 +1,4 @@
-"""`strategy/schedule.py`: stages, action lists, round trips, gradient placement, bucket readiness,
+"""`lowering/schedule.py`: stages, action lists, round trips, gradient placement, bucket readiness,
 and a single-process simulation of every rank's communication (no deadlock for any widths)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph
-from lightning_deeppool.planner.layout import Placement, balanced, transfers
-from lightning_deeppool.strategy.schedule import Action, Schedule, build_schedule, build_stages
+from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
+from lightning_deeppool.ir.placement import Placement, balanced, transfers
+from lightning_deeppool.lowering.schedule import Action, Schedule, build_schedule, build_stages
 
 # x -> a -> b -> add(a, b) -> c ; cat(add, c) -> head: a residual join and a concatenation.
 GRAPH = LayerGraph(

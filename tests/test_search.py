@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from lightning_deeppool.ir.graph import Tied
+from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.graph import Tied
-from lightning_deeppool.planner.layout import Placement
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile
 from lightning_deeppool.planner.search import (
     amplification,
     candidate_placements,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_deeppool.strategy.shared import checksum
+from lightning_deeppool.runtime.shared_batch import checksum
 
 
 def _batch() -> list[torch.Tensor]:

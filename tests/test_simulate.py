@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.layout import Placement
 from lightning_deeppool.planner.simulate import (
     assumptions,
     idle_device_seconds,

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from lightning_deeppool.capture import capture_graph
-from lightning_deeppool.planner.layout import Placement
-from lightning_deeppool.strategy.grad_sync import GradSync
-from lightning_deeppool.strategy.groups import PlanGroups
-from lightning_deeppool.strategy.messages import LocalLinks
-from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import build_schedule
+from lightning_deeppool.comm.groups import PlanGroups
+from lightning_deeppool.comm.messages import LocalLinks
+from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.lowering.schedule import build_schedule
+from lightning_deeppool.runtime.grad_sync import GradSync
+from lightning_deeppool.runtime.runtime import BurstRuntime
 
 from distributed import run_distributed
 from models import TALL, SpatialBody

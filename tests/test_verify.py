@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import capture_graph
-from lightning_deeppool.strategy.verify import first_difference
+from lightning_deeppool.runtime.verify import first_difference
 
 from models import make_model
 

@@ -40,7 +40,7 @@ from lightning_deeppool.background.report import format_summary, job_metrics
 from lightning_deeppool.background.streams import ForegroundPriority
 from lightning_deeppool.background.throttle import MODES, choose_mode, window_budget
 from lightning_deeppool.planner.plan import Plan
-from lightning_deeppool.strategy.idle import IdleWindows
+from lightning_deeppool.runtime.idle import IdleWindows
 
 # Python hands the GIL to a waiting thread only after this long: the foreground, back from a wait,
 # would otherwise queue up to 5 ms (the default) behind a background thread's Python code.

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 
 from lightning_deeppool.background.throttle import may_run, pause_after
-from lightning_deeppool.strategy.idle import IdleWindows
+from lightning_deeppool.runtime.idle import IdleWindows
 
 _POLL_S = 0.02
 

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_deeppool.background.gate import Gate, Stopped
-from lightning_deeppool.strategy.idle import IdleWindows
+from lightning_deeppool.runtime.idle import IdleWindows
 
 STATES: tuple[str, ...] = ("queued", "running", "paused", "done", "failed", "stopped")
 ModuleSource = pl.LightningModule | Callable[[], pl.LightningModule]

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture.codegen import CompiledLayer, compilable
 from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
-from lightning_deeppool.planner.graph import LayerGraph
+from lightning_deeppool.ir.graph import LayerGraph
 
 
 @dataclass(frozen=True)

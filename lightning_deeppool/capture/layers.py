@@ -21,10 +21,10 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode, fetch_attr
-from lightning_deeppool.capture.spatial import split_shape
+from lightning_deeppool.capture.split_rules import split_shape
 from lightning_deeppool.capture.trace import CaptureError, Leaf, Trace, describe, where
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
-from lightning_deeppool.planner.graph import GraphInput, Layer, LayerGraph, Tied
+from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph, Tied
 
 # Operations whose results the first-step check cannot compare with one device's.
 _BATCH_STATISTICS = {

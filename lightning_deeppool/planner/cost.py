@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_deeppool.planner.graph import Layer, LayerGraph
-from lightning_deeppool.planner.layout import Placement
-from lightning_deeppool.planner.profile import CommProfile, LayerProfile, Profile
+from lightning_deeppool.ir.graph import Layer, LayerGraph
+from lightning_deeppool.ir.placement import Placement, per_device_batch
+from lightning_deeppool.ir.profile import CommProfile, LayerProfile, Profile
 
 # Forward activations plus backward gradients: every redistribution happens twice per step.
 DIRECTIONS = 2
@@ -184,11 +184,6 @@ def check_profile(graph: LayerGraph, profile: Profile) -> None:
     missing = [layer.name for layer in graph.layers if layer.name not in profile.layers]
     if missing:
         raise ValueError(f"the profile has no times for layers {missing[:5]}; profile this model again")
-
-
-def per_device_batch(global_batch_size: int, width: int) -> int:
-    """Samples on the busiest device of a layer of this width (rank 0 takes the remainder)."""
-    return math.ceil(global_batch_size / width)
 
 
 def halo_share(graph: LayerGraph, layer: Layer) -> float:

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lightning_deeppool.ir.graph import LayerGraph
+from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.graph import LayerGraph
-from lightning_deeppool.planner.layout import Placement
-from lightning_deeppool.planner.profile import Profile
 
 _Key = TypeVar("_Key", bound=Hashable)
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_deeppool.ir.graph import LayerGraph
+from lightning_deeppool.ir.profile import AlphaBeta, Profile
 from lightning_deeppool.planner import cost
-from lightning_deeppool.planner.graph import LayerGraph
 from lightning_deeppool.planner.plan import Plan
-from lightning_deeppool.planner.profile import AlphaBeta, Profile
 from lightning_deeppool.planner.search import search
 
 DEFAULT_BACKGROUND_EFFICIENCY = 0.4

@@ -29,15 +29,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_deeppool.install import Installation, Installer
+from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.plan import Plan
-from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
-from lightning_deeppool.strategy.amp import make_scaler_agree
-from lightning_deeppool.strategy.calls import CallAgreement
+from lightning_deeppool.runtime.idle import IdleWindows
+from lightning_deeppool.strategy.call_agreement import CallAgreement
 from lightning_deeppool.strategy.forward_calls import ForwardCalls
-from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.install import Installation, Installer
-from lightning_deeppool.strategy.report import StepTimes, summary
+from lightning_deeppool.strategy.patches import make_scaler_agree
+from lightning_deeppool.strategy.step_times import StepTimes, summary
 
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
 _SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.strategy.agree import on_rank_zero
-from lightning_deeppool.strategy.batch import Call, Row
-from lightning_deeppool.strategy.calls import CallAgreement, call_site
-from lightning_deeppool.strategy.verify import first_difference
+from lightning_deeppool.comm.fail_together import on_rank_zero
+from lightning_deeppool.runtime.call import Call, Row
+from lightning_deeppool.runtime.verify import first_difference
+from lightning_deeppool.strategy.call_agreement import CallAgreement, call_site
 
 if TYPE_CHECKING:
+    from lightning_deeppool.install import Installation
     from lightning_deeppool.strategy.deeppool import DeepPoolStrategy
-    from lightning_deeppool.strategy.install import Installation
 
 
 class ForwardCalls:

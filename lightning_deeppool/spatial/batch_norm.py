@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn import functional as F
 
-from lightning_deeppool.strategy.halo import gather_parts
-from lightning_deeppool.strategy.messages import WORLD, Messages
+from lightning_deeppool.comm.messages import WORLD, Messages
+from lightning_deeppool.spatial.halo import gather_parts
 
 
 def split_batch_norm(

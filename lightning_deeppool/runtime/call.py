@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_deeppool.capture import CapturedGraph, GuardError
-from lightning_deeppool.strategy.shared import checksum, shares
+from lightning_deeppool.runtime.shared_batch import checksum, shares
 
 Row = tuple[int, ...]  # samples, digest of the per-sample signature, outcome, data checksum
 OK, GUARD_FAILED, INVALID = 0, 1, 2

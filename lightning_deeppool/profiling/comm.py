@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.planner.profile import AlphaBeta, CommProfile
-from lightning_deeppool.strategy.messages import GroupMessages, Messages, spatial_messages
+from lightning_deeppool.comm.messages import GroupMessages, Messages, spatial_messages
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile
 
 
 def default_group_sizes(world_size: int) -> list[int]:

@@ -11,6 +11,7 @@ two such layouts, rows included.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,6 +31,11 @@ def balanced(total: int, width: int, world_size: int) -> tuple[int, ...]:
         raise ValueError(f"width must be in 1..{world_size}, got {width}")
     base, extra = divmod(total, width)
     return tuple(base + (1 if r < extra else 0) if r < width else 0 for r in range(world_size))
+
+
+def per_device_batch(global_batch_size: int, width: int) -> int:
+    """Samples on the busiest device of a layer of this width (rank 0 takes the remainder)."""
+    return math.ceil(global_batch_size / width)
 
 
 def offsets(counts: tuple[int, ...]) -> tuple[int, ...]:

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.planner.layout import balanced, offsets
-from lightning_deeppool.strategy.messages import LocalLinks
+from lightning_deeppool.comm.messages import LocalLinks
+from lightning_deeppool.ir.placement import balanced, offsets
 
 
 def shares(total: int, world_size: int) -> tuple[int, ...]:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_deeppool.strategy.messages import LocalLinks, sum_over
-from lightning_deeppool.strategy.schedule import Bucket
+from lightning_deeppool.comm.messages import LocalLinks, sum_over
+from lightning_deeppool.lowering.schedule import Bucket
 
 
 class GradSync:

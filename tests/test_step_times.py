@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_deeppool.strategy import report
-from lightning_deeppool.strategy.report import StepTimes, summary
+from lightning_deeppool.strategy import step_times
+from lightning_deeppool.strategy.step_times import StepTimes, summary
 
 
 @pytest.fixture
 def clock(monkeypatch) -> list[float]:
     """A clock the test advances: `clock[0]` seconds."""
     now = [0.0]
-    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(step_times.time, "perf_counter", lambda: now[0])
     return now
 
 

@@ -1,11 +1,11 @@
-"""Which layers can run on samples split by height, read off their operations (issue 11).
+"""Which layers can run on samples split by height, read off their operations.
 
 A layer splits when every value it reads is a batch of images ``(N, C, H, W)`` (or 1-d ``(N, C, L)``,
 3-d ``(N, C, D, H, W)``: split along L or D) of one height and every operation on a split value is
 spatially local: a convolution or a 2-/3-d max pooling (which read a halo of neighbouring rows),
 BatchNorm (whose statistics the parts reduce together), a pointwise operation or a concatenation
 along channels; and every value it produces is split. `split_shape` gives the planner's
-`Layer.height` and `Layer.halo_bytes`; the runtime (`strategy.spatial_layer`) follows the same rules.
+`Layer.height` and `Layer.halo_bytes`; the runtime (`spatial.layer`) follows the same rules.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from lightning_deeppool.capture.graph import LayerCode
 from lightning_deeppool.capture.trace import Leaf, Trace
-from lightning_deeppool.planner.spatial import Window
+from lightning_deeppool.ir.rows import Window
 
 aten = torch.ops.aten
 SPLIT_DIM = 2  # the first spatial dimension: the length of (N, C, L), the height of (N, C, H, W), ...
@@ -90,7 +90,7 @@ def refusal(node: fx.Node, a: Mapping[str, Any]) -> str | None:
 
 
 def split_shape(trace: Trace, code: LayerCode) -> tuple[int, int]:
-    """``(height, halo_bytes)`` of a layer (`planner.graph.Layer`): the fewest rows of any value it
+    """``(height, halo_bytes)`` of a layer (`ir.graph.Layer`): the fewest rows of any value it
     splits (so `height` parts each hold a row of every one), ``(0, 0)`` when it cannot split."""
     reads = [name for _, names in code.reads for name in names]
     heights = {name: _image(trace, name) for name in reads}

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_deeppool.planner.graph import LayerGraph
-from lightning_deeppool.planner.layout import Placement
-from lightning_deeppool.planner.profile import DEFAULT_BUCKET_BYTES
+from lightning_deeppool.ir.graph import LayerGraph
+from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_deeppool.planner.layout import Transfer, balanced, offsets
+from lightning_deeppool.ir.placement import Transfer, balanced, offsets
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Run a captured layer on one part of spatially split samples (the runtime of a `spatial` placement).
 
-Convolutions and max pooling first gather their halo (`halo.gather_slab`), BatchNorm reduces its
-statistics over the parts (`spatial_norm.split_batch_norm`), and pointwise operations, adds and
-channel concatenations run on the part as they are (`capture.spatial` has the rules). Any other
+Convolutions and max pooling first gather their halo (`halo.windowed`), BatchNorm reduces its
+statistics over the parts (`batch_norm.split_batch_norm`), and pointwise operations, adds and
+channel concatenations run on the part as they are (`capture.split_rules` has the rules). Any other
 operation on a split value is refused with the operation's name: the parts must be gathered before
 such a layer.
 """
@@ -19,7 +19,7 @@ import torch
 
 from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.capture.graph import BATCH_SIZE, evaluate, unpack
-from lightning_deeppool.capture.spatial import (
+from lightning_deeppool.capture.split_rules import (
     BATCH_NORM,
     CONCATENATION,
     CONVOLUTIONS,
@@ -30,10 +30,10 @@ from lightning_deeppool.capture.spatial import (
     refusal,
     window,
 )
-from lightning_deeppool.planner.spatial import Window, part_rows
-from lightning_deeppool.strategy.halo import Kernel, Params, windowed
-from lightning_deeppool.strategy.messages import WORLD, Messages
-from lightning_deeppool.strategy.spatial_norm import split_batch_norm
+from lightning_deeppool.comm.messages import WORLD, Messages
+from lightning_deeppool.ir.rows import Window, part_rows
+from lightning_deeppool.spatial.batch_norm import split_batch_norm
+from lightning_deeppool.spatial.halo import Kernel, Params, windowed
 
 aten = torch.ops.aten
 

@@ -1,7 +1,7 @@
 """Profiling across ranks: every rank times its share of the layers, rank 0 caches the result.
 
 Collective: every rank calls `profile_on_ranks` at the same point with the same graph. A failure on
-one rank (out of memory while timing, say) stops every rank (see `agree`).
+one rank (out of memory while timing, say) stops every rank (see `comm.fail_together`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deeppool.capture import CapturedGraph
-from lightning_deeppool.planner.cache import load_cached_profile, profile_cache_key, save_cached_profile
-from lightning_deeppool.planner.cost import per_device_batch
-from lightning_deeppool.planner.profile import Profile
-from lightning_deeppool.planner.profiler import (
+from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
+from lightning_deeppool.ir.placement import per_device_batch
+from lightning_deeppool.ir.profile import Profile
+from lightning_deeppool.lowering.schedule import FIRST_BUCKET_BYTES
+from lightning_deeppool.profiling.cache import load_cached_profile, profile_cache_key, save_cached_profile
+from lightning_deeppool.profiling.comm import measure_comm
+from lightning_deeppool.profiling.layers import (
     assign_layers,
     candidate_batch_sizes,
     merge_layer_profiles,
@@ -28,9 +30,6 @@ from lightning_deeppool.planner.profiler import (
     time_optimizer_step,
     time_whole_model,
 )
-from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
-from lightning_deeppool.strategy.measure import measure_comm
-from lightning_deeppool.strategy.schedule import FIRST_BUCKET_BYTES
 
 
 def profile_on_ranks(
@@ -55,7 +54,8 @@ def profile_on_ranks(
     key = profile_cache_key(graph.fingerprint, inputs, dtype, device_name, world_size, global_batch_size)
     cached = on_rank_zero(lambda: load_cached_profile(cache_dir, key) if cache_dir else None)
     if cached is not None:
-        rank_zero_info(f"deeppool: using the cached profile {key} from {cache_dir}")
+        if rank == 0:
+            print(f"deeppool: using the cached profile {key} from {cache_dir}", flush=True)
         return cached
     sizes = candidate_batch_sizes(global_batch_size, world_size)
     mine = assign_layers([layer.name for layer in graph.layers], world_size, rank)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_deeppool.strategy import calls
-from lightning_deeppool.strategy.calls import CallAgreement
+from lightning_deeppool.strategy import call_agreement
+from lightning_deeppool.strategy.call_agreement import CallAgreement
 
 
 def _ranks(*programs: Callable[[CallAgreement], Any]) -> list[Any]:
@@ -83,7 +83,7 @@ def test_calls_in_later_steps_agree_again():
 
 
 def test_a_rank_blocked_in_a_collective_counts_as_absent_after_the_grace(monkeypatch):
-    monkeypatch.setattr(calls, "BLOCKED_GRACE_S", 0.2)
+    monkeypatch.setattr(call_agreement, "BLOCKED_GRACE_S", 0.2)
     released = threading.Event()
 
     def blocked_until_rank_zero_decides(agreement: CallAgreement) -> list[bool]:
@@ -112,7 +112,7 @@ def test_a_call_some_ranks_make_runs_locally_on_each_of_them():
 
 
 def test_a_rank_arriving_after_its_peer_moved_on_runs_the_call_locally_too(monkeypatch):
-    monkeypatch.setattr(calls, "BLOCKED_GRACE_S", 0.2)
+    monkeypatch.setattr(call_agreement, "BLOCKED_GRACE_S", 0.2)
     released = threading.Event()
 
     def rank_zero(agreement: CallAgreement) -> list[bool]:

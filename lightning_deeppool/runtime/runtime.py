@@ -21,15 +21,15 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture import CapturedGraph, ValueMeta
 from lightning_deeppool.capture.graph import preserved, value_meta
 from lightning_deeppool.capture.values import LeafMeta, rows_view, samples_view
-from lightning_deeppool.planner.layout import Layout, Placement
-from lightning_deeppool.strategy.batch import Call, Row, check, prepare
-from lightning_deeppool.strategy.grad_sync import GradSync
-from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.messages import GroupMessages, LocalLinks, Messages
-from lightning_deeppool.strategy.redistribute import ROWS, local_block, redistribute
-from lightning_deeppool.strategy.schedule import Action, Schedule, Stage
-from lightning_deeppool.strategy.shared import gather_batch, keep_share
-from lightning_deeppool.strategy.spatial_layer import SpatialPart, run_layer_split
+from lightning_deeppool.comm.messages import GroupMessages, LocalLinks, Messages
+from lightning_deeppool.ir.placement import Layout, Placement
+from lightning_deeppool.lowering.schedule import Action, Schedule, Stage
+from lightning_deeppool.runtime.call import Call, Row, check, prepare
+from lightning_deeppool.runtime.grad_sync import GradSync
+from lightning_deeppool.runtime.idle import IdleWindows
+from lightning_deeppool.runtime.redistribute import ROWS, local_block, redistribute
+from lightning_deeppool.runtime.shared_batch import gather_batch, keep_share
+from lightning_deeppool.spatial.layer import SpatialPart, run_layer_split
 
 Key = tuple[str, Placement]
 

@@ -21,19 +21,19 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
-from lightning_deeppool.planner.cache import default_cache_dir
-from lightning_deeppool.planner.layout import Placement
+from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
+from lightning_deeppool.comm.groups import PlanGroups
+from lightning_deeppool.comm.messages import LocalLinks, spatial_messages
+from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.profile import Profile
+from lightning_deeppool.lowering.schedule import Schedule, build_schedule
 from lightning_deeppool.planner.plan import Plan
-from lightning_deeppool.planner.profile import Profile
 from lightning_deeppool.planner.search import search
-from lightning_deeppool.strategy.agree import on_every_rank, on_rank_zero
-from lightning_deeppool.strategy.grad_sync import GradSync
-from lightning_deeppool.strategy.groups import PlanGroups
-from lightning_deeppool.strategy.idle import IdleWindows
-from lightning_deeppool.strategy.messages import LocalLinks, spatial_messages
-from lightning_deeppool.strategy.profiling import profile_on_ranks
-from lightning_deeppool.strategy.runtime import BurstRuntime
-from lightning_deeppool.strategy.schedule import Schedule, build_schedule
+from lightning_deeppool.profiling.cache import default_cache_dir
+from lightning_deeppool.profiling.on_ranks import profile_on_ranks
+from lightning_deeppool.runtime.grad_sync import GradSync
+from lightning_deeppool.runtime.idle import IdleWindows
+from lightning_deeppool.runtime.runtime import BurstRuntime
 
 UNPLANNED = "<unplanned>."
 

@@ -8,8 +8,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from lightning_deeppool.planner.layout import Block, Layout, pieces
-from lightning_deeppool.strategy.messages import WORLD, Messages
+from lightning_deeppool.comm.messages import WORLD, Messages
+from lightning_deeppool.ir.placement import Block, Layout, pieces
 
 ROWS = 2  # the split dimension of a samples-first image batch (N, C, H, W)
 

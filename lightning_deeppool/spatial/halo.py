@@ -1,9 +1,9 @@
 """Halo exchange: a spatially local operation (a convolution, a pooling) on one part of a sample split
-by rows. The part posts the rows its neighbours need and receives theirs (`planner.spatial.halo_moves`).
+by rows. The part posts the rows its neighbours need and receives theirs (`ir.rows.halo_moves`).
 
 A convolution (a `PaddedKernel`) runs on the part's own rows while the messages are in flight, padded
 with zeros at both ends; once the halo arrives, the few output rows whose windows read it are computed
-again from their real inputs and replace those rows (`planner.spatial.own_rows`). Its backward
+again from their real inputs and replace those rows (`ir.rows.own_rows`). Its backward
 computes the halo rows' gradients first and sends them back to the parts that hold the rows, then,
 while they travel, the own rows' gradient (an input's gradient does not depend on its values, so the
 padded run gives it whole) and the parameters' (the padded run's, plus what the halo rows add).
@@ -21,8 +21,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from lightning_deeppool.planner.layout import Transfer
-from lightning_deeppool.planner.spatial import (
+from lightning_deeppool.comm.messages import WORLD, Messages, Posted
+from lightning_deeppool.ir.placement import Transfer
+from lightning_deeppool.ir.rows import (
     Boundary,
     OwnRows,
     Slab,
@@ -32,7 +33,6 @@ from lightning_deeppool.planner.spatial import (
     part_rows,
     slab,
 )
-from lightning_deeppool.strategy.messages import WORLD, Messages, Posted
 
 Params = tuple[torch.Tensor | None, ...]
 

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning_deeppool.planner.profile import PROFILE_VERSION, Profile
+from lightning_deeppool.ir.profile import PROFILE_VERSION, Profile
 
 
 def profile_cache_key(

@@ -19,7 +19,8 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture import CapturedGraph, ValueMeta
 from lightning_deeppool.capture.graph import preserved
 from lightning_deeppool.capture.values import rows_view, samples_view
-from lightning_deeppool.planner.profile import LayerProfile
+from lightning_deeppool.ir.placement import per_device_batch
+from lightning_deeppool.ir.profile import LayerProfile
 
 
 def candidate_batch_sizes(global_batch_size: int, world_size: int, max_sizes: int = 16) -> list[int]:
@@ -32,7 +33,7 @@ def candidate_batch_sizes(global_batch_size: int, world_size: int, max_sizes: in
             f"need global_batch_size >= 1, world_size >= 1, max_sizes >= 2; got "
             f"{global_batch_size}, {world_size}, {max_sizes}"
         )
-    sizes = sorted({math.ceil(global_batch_size / w) for w in range(1, world_size + 1)})
+    sizes = sorted({per_device_batch(global_batch_size, w) for w in range(1, world_size + 1)})
     if len(sizes) <= max_sizes:
         return sizes
     low, high = sizes[0], sizes[-1]
