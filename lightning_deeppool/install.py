@@ -207,7 +207,7 @@ class Installation:
             groups,
             world_size,
             [bucket for bucket in schedule.buckets if rank < bucket.width],
-            local=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
+            rank0_only=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
             world=list(unplanned),
             uses=uses,
             links=messages if isinstance(messages, LocalLinks) else None,

@@ -70,8 +70,8 @@ def _nccl_gradients(rank: int) -> float:
     schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, 2)
     groups = PlanGroups([*schedule.param_widths.values(), 2], 2)
     buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
-    local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-    grad_sync = GradSync(params, groups, 2, buckets, local=local)
+    rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
+    grad_sync = GradSync(params, groups, 2, buckets, rank0_only=rank0_only)
     runtime = BurstRuntime(
         captured, schedule, rank=rank, device=torch.device("cuda", rank), grad_sync=grad_sync
     )

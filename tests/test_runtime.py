@@ -59,8 +59,8 @@ def _errors(rank: int, world: int) -> dict[str, dict[str, float]]:
         schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, world)
         groups = PlanGroups(schedule.param_widths.values(), world)
         buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
-        local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-        grad_sync = GradSync(params, groups, world, buckets, local=local)
+        rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
+        grad_sync = GradSync(params, groups, world, buckets, rank0_only=rank0_only)
         runtime = BurstRuntime(captured, schedule, rank=rank, device=torch.device("cpu"), grad_sync=grad_sync)
         out = runtime.forward(x[mine])
         # A rank's loss is its share of the global mean: gradients are divided by the world size.

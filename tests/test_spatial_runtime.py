@@ -84,8 +84,8 @@ def _errors(
     schedule = build_schedule(captured.graph, placements, captured.layer_params, sizes, world)
     groups = PlanGroups(schedule.param_widths.values(), world)
     buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
-    local = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-    grad_sync = GradSync(params, groups, world, buckets, local=local)
+    rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
+    grad_sync = GradSync(params, groups, world, buckets, rank0_only=rank0_only)
     runtime = BurstRuntime(
         captured,
         schedule,

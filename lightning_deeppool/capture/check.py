@@ -31,11 +31,11 @@ def check_replay(captured: CapturedGraph, module: nn.Module, mapping: dict[str, 
         buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     inputs = captured.bind((), mapping)
     batch = _batch_size(captured, inputs)
-    local = {name: inputs[name] for name in captured.local_inputs}
+    scalars = {name: inputs[name] for name in captured.scalar_inputs}
     with torch.no_grad(), preserved(module):
         torch.manual_seed(_SEED)
-        values = captured.run_all({n: inputs[n] for n in captured.batch_inputs}, batch, local)
-        actual = pytree.tree_leaves(captured.forward_outputs(values, batch, local))
+        values = captured.run_all({n: inputs[n] for n in captured.batch_inputs}, batch, scalars)
+        actual = pytree.tree_leaves(captured.forward_outputs(values, batch, scalars))
         after = {name: b.detach().clone() for name, b in module.named_buffers()}
     for i, (a, b) in enumerate(zip(expected, actual)):
         if isinstance(a, torch.Tensor) and not _close(a, b):
@@ -62,12 +62,12 @@ def check_per_sample(captured: CapturedGraph, module: nn.Module, mapping: dict[s
         return  # no second distinct sample to swap in
     first = {name: take_samples(value, 2) for name, value in batch.items()}
     other = {name: value[torch.tensor([0, 2])] for name, value in batch.items()}
-    local = {name: inputs[name] for name in captured.local_inputs}
+    scalars = {name: inputs[name] for name in captured.scalar_inputs}
     runs = []
     with torch.no_grad(), preserved(module):
         for values in (first, other):
             torch.manual_seed(_SEED)
-            runs.append(_run_nodes(captured, values, local))
+            runs.append(_run_nodes(captured, values, scalars))
     for node in captured.module.graph.nodes:
         leaves = _batch_leaves(captured, node)
         if not leaves or node.name not in runs[0]:
@@ -86,10 +86,10 @@ def check_per_sample(captured: CapturedGraph, module: nn.Module, mapping: dict[s
 
 
 def _run_nodes(
-    captured: CapturedGraph, inputs: Mapping[str, Any], local: Mapping[str, Any]
+    captured: CapturedGraph, inputs: Mapping[str, Any], scalars: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Every node's value in graph order, batch statistics taken from running statistics."""
-    env: dict[str, Any] = {BATCH_SIZE: 2, **local, **inputs}
+    env: dict[str, Any] = {BATCH_SIZE: 2, **scalars, **inputs}
     gm = captured.module
     modes = {m: m.training for m in gm.modules()}
     try:

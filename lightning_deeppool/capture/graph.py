@@ -55,7 +55,7 @@ class CapturedGraph:
     """A captured forward cut into layers (see the module docstring).
 
     `module` holds the graph; its parameters and buffers are the planned module's own tensors.
-    `batch_inputs` are the graph inputs that carry the batch (dimension 0), `local_inputs` the 0-d
+    `batch_inputs` are the graph inputs that carry the batch (dimension 0), `scalar_inputs` the 0-d
     tensor arguments every layer receives as they are. `meta[name]` describes each layer's value and
     each batch input, as seen on the example batch. `guards` are the nodes that check branches the
     forward took at capture (with the nodes they read, in graph order), run once per call.
@@ -68,7 +68,7 @@ class CapturedGraph:
     code: dict[str, LayerCode]
     layer_params: dict[str, list[str]]
     batch_inputs: list[str]
-    local_inputs: list[str]
+    scalar_inputs: list[str]
     meta: dict[str, ValueMeta]
     call: CallSignature
     outputs: list[Any]
@@ -106,12 +106,12 @@ class CapturedGraph:
         return env
 
     def run_layer(
-        self, name: str, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]
+        self, name: str, values: Mapping[str, Any], batch_size: int, scalars: Mapping[str, Any]
     ) -> Any:
         """Evaluate layer `name` on `values` (the values of the layers and inputs it reads) for
         `batch_size` samples; returns its value (a tuple of its output nodes' values)."""
         code = self.code[name]
-        env: dict[str, Any] = {BATCH_SIZE: batch_size, **local}
+        env: dict[str, Any] = {BATCH_SIZE: batch_size, **scalars}
         for source, nodes in code.reads:
             unpack(self, source, values[source], env, nodes)
         run = self._compiled.get(name)
@@ -131,15 +131,15 @@ class CapturedGraph:
 
         return interpreted
 
-    def run_guards(self, local: Mapping[str, Any]) -> None:
+    def run_guards(self, scalars: Mapping[str, Any]) -> None:
         """Check the branches the forward took at capture still hold (raises `GuardError`)."""
-        env: dict[str, Any] = {BATCH_SIZE: 1, **local}
+        env: dict[str, Any] = {BATCH_SIZE: 1, **scalars}
         for node in self.guards:
             env[node.name] = evaluate(self.module, node, env)
 
-    def forward_outputs(self, values: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> Any:
+    def forward_outputs(self, values: Mapping[str, Any], batch_size: int, scalars: Mapping[str, Any]) -> Any:
         """The forward's return value from the values of the layers and inputs it returns."""
-        env: dict[str, Any] = {BATCH_SIZE: batch_size, **local}
+        env: dict[str, Any] = {BATCH_SIZE: batch_size, **scalars}
         for name in self.graph.outputs:
             unpack(self, name, values[name], env)
         aux = _closure(self.outputs, env)
@@ -148,11 +148,13 @@ class CapturedGraph:
         leaves = [env[leaf.name] if isinstance(leaf, fx.Node) else leaf for leaf in self.outputs]
         return pytree.tree_unflatten(leaves, self.output_spec)
 
-    def run_all(self, inputs: Mapping[str, Any], batch_size: int, local: Mapping[str, Any]) -> dict[str, Any]:
+    def run_all(
+        self, inputs: Mapping[str, Any], batch_size: int, scalars: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Every layer's value, evaluated in order on one device (the reference of the plan)."""
         values: dict[str, Any] = dict(inputs)
         for layer in self.graph.layers:
-            values[layer.name] = self.run_layer(layer.name, values, batch_size, local)
+            values[layer.name] = self.run_layer(layer.name, values, batch_size, scalars)
         return values
 
 

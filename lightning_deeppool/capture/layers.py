@@ -51,7 +51,7 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
     _drop_dead_code(graph)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     batch_inputs = [name for name in trace.inputs if _has_batch(trace.leaves[name])]
-    local_inputs = [n for n in trace.inputs if n not in batch_inputs]
+    scalar_inputs = [n for n in trace.inputs if n not in batch_inputs]
     tainted = _tainted(graph, batch_inputs)
     kinds = {n.name: _kind(trace.leaves[n.name]) if n.name in tainted else "aux" for n in nodes}
     for name in batch_inputs:
@@ -148,7 +148,7 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
         code=code,
         layer_params=layer_params,
         batch_inputs=batch_inputs,
-        local_inputs=local_inputs,
+        scalar_inputs=scalar_inputs,
         meta=meta,
         call=call,
         outputs=output_leaves,

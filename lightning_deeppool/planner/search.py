@@ -446,7 +446,7 @@ class _TransferTable:
 
 
 @dataclass(frozen=True)
-class _Step:
+class _DPLayer:
     """What reconstruction needs of one DP step: the incoming states sorted by group, and per new state
     its group and chosen column."""
 
@@ -488,7 +488,7 @@ def _dp(tables: _Tables, weight: float, max_states: int) -> list[int]:
                 new_states[survivors],
                 new_costs[survivors],
             )
-        steps.append(_Step(live, order, states, costs, starts, group, column))
+        steps.append(_DPLayer(live, order, states, costs, starts, group, column))
         live = [live[i] for i in keep] + ([name] if stays_live else [])
         states, costs = new_states, new_costs
     return _reconstruct(tables, steps, int(np.argmin(costs)), weight)
@@ -510,7 +510,7 @@ def _step_costs(
     return step
 
 
-def _reconstruct(tables: _Tables, steps: list[_Step], row: int, weight: float) -> list[int]:
+def _reconstruct(tables: _Tables, steps: list[_DPLayer], row: int, weight: float) -> list[int]:
     """Walk back from the best final state, recomputing each step's arg-min within the chosen group."""
     choice = []
     for k in reversed(range(len(steps))):

@@ -91,13 +91,13 @@ def profile_layers(
     gm = captured.module
     device = torch.device(device) if device is not None else _module_device(gm)
     env = {name: _to_device(value, device) for name, value in env.items()}
-    local = {name: env[name] for name in captured.local_inputs}
+    scalars = {name: env[name] for name in captured.scalar_inputs}
     profiles: dict[str, LayerProfile] = {}
     with preserved(gm, device), torch.enable_grad():
-        samples = _two_samples(captured, env, local)
+        samples = _two_samples(captured, env, scalars)
         for done, name in enumerate(names, start=1):
             inputs = {value: samples[value] for value in captured.graph.layer(name).inputs}
-            profiles[name] = _profile_layer(captured, name, local, inputs, sizes, warmup, repeats, device)
+            profiles[name] = _profile_layer(captured, name, scalars, inputs, sizes, warmup, repeats, device)
             if progress is not None:
                 progress(done, len(names))
     return profiles
@@ -106,7 +106,7 @@ def profile_layers(
 def _profile_layer(
     captured: CapturedGraph,
     name: str,
-    local: dict[str, Any],
+    scalars: dict[str, Any],
     samples: dict[str, Any],
     sizes: list[int],
     warmup: int,
@@ -124,7 +124,7 @@ def _profile_layer(
             for value, v in samples.items()
         }
         wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
-        run = functools.partial(_forward_backward, captured, name, local, b, wrt + trainable)
+        run = functools.partial(_forward_backward, captured, name, scalars, b, wrt + trainable)
         runs.append((b, run, leaves))
         peaks.append(_failing_as(name, b, functools.partial(_warm_up, run, leaves, device, warmup)))
     times: list[list[float]] = [[] for _ in sizes]
@@ -153,10 +153,10 @@ def time_whole_model(
     gm = captured.module
     device = torch.device(device) if device is not None else _module_device(gm)
     env = {name: _to_device(value, device) for name, value in env.items()}
-    local = {name: env[name] for name in captured.local_inputs}
+    scalars = {name: env[name] for name in captured.scalar_inputs}
     trainable = [p for p in gm.parameters() if p.requires_grad]
     with preserved(gm, device), torch.enable_grad():
-        samples = _two_samples(captured, env, local)
+        samples = _two_samples(captured, env, scalars)
         leaves = {
             name: pytree.tree_map(_leaf_input, repeat_sample(samples[name], captured.meta[name], batch_size))
             for name in captured.batch_inputs
@@ -164,7 +164,7 @@ def time_whole_model(
         wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
 
         def run(inputs: dict[str, Any]) -> None:
-            values = captured.run_all(inputs, batch_size, local)
+            values = captured.run_all(inputs, batch_size, scalars)
             outputs = [
                 leaf
                 for name in captured.graph.outputs
@@ -194,12 +194,12 @@ def _failing_as(name: str, batch_size: int, fn: Callable[[], Any]) -> Any:
         ) from err
 
 
-def _two_samples(captured: CapturedGraph, env: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
+def _two_samples(captured: CapturedGraph, env: dict[str, Any], scalars: dict[str, Any]) -> dict[str, Any]:
     """Every layer's and batch input's value on the example's first two samples (no grad)."""
     inputs = {name: env[name][:2] for name in captured.batch_inputs}
     count = inputs[captured.batch_inputs[0]].shape[0]
     with torch.no_grad():
-        return captured.run_all(inputs, count, local)
+        return captured.run_all(inputs, count, scalars)
 
 
 def repeat_sample(value: Any, meta: ValueMeta, batch_size: int) -> Any:
@@ -237,13 +237,13 @@ def _timed_once(run: Callable[[dict[str, Any]], None], leaves: dict[str, Any], d
 def _forward_backward(
     captured: CapturedGraph,
     name: str,
-    local: dict[str, Any],
+    scalars: dict[str, Any],
     batch_size: int,
     wrt: list[torch.Tensor],
     inputs: dict[str, Any],
 ) -> None:
     """Run the layer, then backward with a ones upstream gradient (no `.grad` touched)."""
-    value = captured.run_layer(name, inputs, batch_size, local)
+    value = captured.run_layer(name, inputs, batch_size, scalars)
     outputs = [leaf for leaf in pytree.tree_leaves(value) if _needs_grad(leaf)]
     if outputs and wrt:
         upstream = [torch.ones_like(out) for out in outputs]

@@ -26,7 +26,7 @@ class Call:
     """A planned forward call on this rank, bound to the captured graph's inputs."""
 
     batch: dict[str, torch.Tensor]
-    local: dict[str, Any]
+    scalars: dict[str, Any]
     input_grads: dict[str, bool]
     signature: str
     row: Row
@@ -39,7 +39,7 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
     try:
         inputs = captured.bind(args, kwargs)
         batch = {name: inputs[name] for name in captured.batch_inputs}
-        local = {name: inputs[name] for name in captured.local_inputs}
+        scalars = {name: inputs[name] for name in captured.scalar_inputs}
         training = torch.is_grad_enabled()
         input_grads = {name: training and batch[name].requires_grad for name in batch}
         if shared and any(input_grads.values()):
@@ -56,18 +56,18 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
     signature = repr(
         (
             samples,
-            [v.tolist() if isinstance(v, torch.Tensor) else v for v in local.values()],
+            [v.tolist() if isinstance(v, torch.Tensor) else v for v in scalars.values()],
             sorted(input_grads.items()),
         )
     )
     outcome, error = OK, None
     try:
-        captured.run_guards(local)
+        captured.run_guards(scalars)
     except GuardError as err:
         outcome, error = GUARD_FAILED, err
     digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
     data = checksum(list(batch.values())) if shared else 0
-    return Call(batch, local, input_grads, signature, (found.pop(), digest, outcome, data), error)
+    return Call(batch, scalars, input_grads, signature, (found.pop(), digest, outcome, data), error)
 
 
 def check(call: Call, rows: Sequence[Row], captured_samples: list[Any], *, shared: bool) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from lightning_deeppool.lowering.schedule import Bucket
 
 
 class GradSync:
-    """Reduces this rank's fresh gradients: schedule buckets among their owners, `local` parameters
+    """Reduces this rank's fresh gradients: schedule buckets among their owners, `rank0_only` parameters
     (only this rank owns them) by division, `world` parameters (used outside the planned forward) over
     every rank. `uses` counts the layers using each parameter: a shared one is final only at its
     bucket's schedule `sync`, not at its first hook."""
@@ -43,7 +43,7 @@ class GradSync:
         world_size: int,
         buckets: Sequence[Bucket],
         *,
-        local: Sequence[str] = (),
+        rank0_only: Sequence[str] = (),
         world: Sequence[str] = (),
         uses: Mapping[str, int] | None = None,
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
@@ -53,7 +53,9 @@ class GradSync:
         self.links = links
         self.groups = groups
         self.world_size = world_size
-        self._assign([Bucket(b.index, b.width, tuple(b.params)) for b in buckets], list(local), list(world))
+        self._assign(
+            [Bucket(b.index, b.width, tuple(b.params)) for b in buckets], list(rank0_only), list(world)
+        )
         self.waiting = waiting
         self.outside: set[str] = set()
         self._uses = dict(uses or {})
@@ -70,11 +72,11 @@ class GradSync:
         self._hooks: dict[str, list[Any]] = {}
         self.track_new_parameters()
 
-    def _assign(self, buckets: list[Bucket], local: list[str], world: list[str]) -> None:
+    def _assign(self, buckets: list[Bucket], rank0_only: list[str], world: list[str]) -> None:
         """Which parameters are reduced where, and the lookups derived from it."""
-        self.buckets, self.local, self.world = buckets, local, world
+        self.buckets, self.rank0_only, self.world = buckets, rank0_only, world
         self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
-        self._owned = {*self._bucket_of, *world, *local}
+        self._owned = {*self._bucket_of, *world, *rank0_only}
 
     # ------------------------------------------------------------------------------ contributions
     def track_new_parameters(self) -> None:
@@ -176,7 +178,7 @@ class GradSync:
         for bucket in self.buckets:
             self._reduce([n for n in bucket.params if n in chosen], bucket.width)
         self._reduce([n for n in self.world if n in chosen], self.world_size)
-        for name in self.local:
+        for name in self.rank0_only:
             if name in chosen:
                 self._divide(name)
         self._finish()
@@ -248,7 +250,7 @@ class GradSync:
         chosen = set(names)
         self._assign(
             [Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets],
-            [n for n in self.local if n not in chosen],
+            [n for n in self.rank0_only if n not in chosen],
             self.world + [n for n in names if n not in self.world],
         )
 

@@ -15,7 +15,7 @@ ROWS = 2  # the split dimension of a samples-first image batch (N, C, H, W)
 
 
 def redistribute(
-    local: torch.Tensor | None,
+    tensor: torch.Tensor | None,
     src: Layout,
     dst: Layout,
     *,
@@ -29,7 +29,7 @@ def redistribute(
     """Return this rank's part of the batch under layout `dst`, given its part under `src`.
 
     Every rank whose samples move must call it with the same layouts; the others may skip it.
-    `local` is None on ranks that hold nothing under `src`; ranks that hold nothing under `dst`
+    `tensor` is None on ranks that hold nothing under `src`; ranks that hold nothing under `dst`
     get None back. When either layout splits rows, they are dimension `ROWS` of the tensor and
     ``sample_shape[ROWS - 1]`` of the whole sample. The pieces travel by `messages` (peers are
     global ranks); the wait for them runs inside `waiting()` (an idle window).
@@ -43,15 +43,15 @@ def redistribute(
         if split:
             shape = (*shape[:ROWS], wanted.rows, *shape[ROWS + 1 :])
         out = torch.empty(shape, dtype=dtype, device=device)
-    if local is not None and out is not None:
+    if tensor is not None and out is not None:
         kept = mine.overlap(wanted)
         if kept is not None:
-            _region(out, wanted, kept, split).copy_(_region(local, mine, kept, split))
+            _region(out, wanted, kept, split).copy_(_region(tensor, mine, kept, split))
     outgoing, incoming, landed = {}, {}, []
     for piece in pieces(src, dst, size):
-        if piece.src == rank and local is not None:
+        if piece.src == rank and tensor is not None:
             # In the value's declared dtype (one device's), whatever precision the sender computed in.
-            outgoing[piece.dst] = _region(local, mine, piece.block, split).to(dtype).contiguous()
+            outgoing[piece.dst] = _region(tensor, mine, piece.block, split).to(dtype).contiguous()
         elif piece.dst == rank and out is not None:
             view = _region(out, wanted, piece.block, split)
             incoming[piece.src] = view if view.is_contiguous() else torch.empty_like(view)
@@ -66,7 +66,7 @@ def redistribute(
     return out
 
 
-def local_block(
+def block_of_whole(
     whole: torch.Tensor, dst: Layout, rank: int, sample_shape: tuple[int, ...]
 ) -> torch.Tensor | None:
     """This rank's part under layout `dst` of a batch every rank holds whole (a shared batch), as a

@@ -27,7 +27,7 @@ from lightning_deeppool.lowering.schedule import Action, Schedule, Stage
 from lightning_deeppool.runtime.call import Call, Row, check, prepare
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import IdleWindows
-from lightning_deeppool.runtime.redistribute import ROWS, local_block, redistribute
+from lightning_deeppool.runtime.redistribute import ROWS, block_of_whole, redistribute
 from lightning_deeppool.runtime.shared_batch import gather_batch, keep_share
 from lightning_deeppool.spatial.layer import SpatialPart, run_layer_split
 
@@ -35,13 +35,13 @@ Key = tuple[str, Placement]
 
 
 @dataclass
-class _Step:
+class _CallState:
     """State of one forward (and its backward): values and pending gradients per (value, placement)."""
 
     counts: tuple[int, ...]
     meta: dict[str, ValueMeta]
     training: bool
-    local: dict[str, Any]
+    scalars: dict[str, Any]
     input_grads: dict[str, bool]
     whole: dict[str, torch.Tensor]  # a shared batch's inputs, as every rank read them
     accumulate: bool = True  # whether backward accumulates into parameters (not torch.autograd.grad)
@@ -95,7 +95,7 @@ class BurstRuntime:
         self.shared = shared
         self.last_action: Action | None = None
         self.keep_last_step = False
-        self.last_step: _Step | None = None
+        self.last_step: _CallState | None = None
         self._last_pass = False
         self._windows_in_action = 0
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
@@ -103,7 +103,7 @@ class BurstRuntime:
             (meta.leaves[0].shape, meta.leaves[0].dtype)
             for meta in (captured.meta[name] for name in captured.batch_inputs)
         ]
-        self._handlers: dict[str, Callable[[_Step, Action], None]] = {
+        self._handlers: dict[str, Callable[[_CallState, Action], None]] = {
             "forward": self._forward_stage,
             "send": self._send,
             "backward": self._backward_stage,
@@ -141,24 +141,28 @@ class BurstRuntime:
             torch.get_autocast_dtype(self.device.type),
         )
         if key not in self._meta:
-            self._meta[key] = self._propagate_meta(batch, call.local)
+            self._meta[key] = self._propagate_meta(batch, call.scalars)
         whole = batch if self.shared else {}
         if self.shared:
             batch = {name: keep_share(t, counts, self.rank) for name, t in batch.items()}
         self.grad_sync.track_new_parameters()
-        step = _Step(counts, self._meta[key], torch.is_grad_enabled(), call.local, call.input_grads, whole)
+        step = _CallState(
+            counts, self._meta[key], torch.is_grad_enabled(), call.scalars, call.input_grads, whole
+        )
         for name, value in batch.items():
             step.values[(name, self.home)] = value
         self._run(step, self.schedule.forward)
         self.last_step = step if self.keep_last_step else None
         return self._outputs(step)
 
-    def _propagate_meta(self, batch: dict[str, torch.Tensor], local: dict[str, Any]) -> dict[str, ValueMeta]:
+    def _propagate_meta(
+        self, batch: dict[str, torch.Tensor], scalars: dict[str, Any]
+    ) -> dict[str, ValueMeta]:
         """Per-sample structure of every value under the current autocast state (which decides
         dtypes), from two all-zero samples so every rank gets the same answer."""
         zeros = {name: t.new_zeros((2, *t.shape[1:])) for name, t in batch.items()}
         with torch.no_grad(), preserved(self.captured.module, self.device):
-            values = self.captured.run_all(zeros, 2, local)
+            values = self.captured.run_all(zeros, 2, scalars)
         meta = dict(self.captured.meta)
         for layer in self.captured.graph.layers:
             known = self.captured.meta[layer.name]
@@ -166,7 +170,7 @@ class BurstRuntime:
             meta[layer.name] = value_meta(values[layer.name], known.per_rank, rows)
         return meta
 
-    def _run(self, step: _Step, actions: Sequence[Action]) -> None:
+    def _run(self, step: _CallState, actions: Sequence[Action]) -> None:
         for action in actions:
             self.last_action = action
             self._windows_in_action = 0
@@ -178,7 +182,7 @@ class BurstRuntime:
         self._windows_in_action += 1
         return self.idle.window((self.last_action, self._windows_in_action))
 
-    def _forward_stage(self, step: _Step, action: Action) -> None:
+    def _forward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
         if self.rank >= stage.width:
             return
@@ -186,7 +190,7 @@ class BurstRuntime:
         values = {value: self._stage_input(step, value, stage.placement) for value in stage.inputs}
         if stage.placement.spatial == 1:
             for layer in stage.layers:
-                values[layer] = self.captured.run_layer(layer, values, samples, step.local)
+                values[layer] = self.captured.run_layer(layer, values, samples, step.scalars)
         else:
             self._run_split(step, stage, values, samples)
         produced = {name: values[name] for name in stage.outputs}
@@ -194,7 +198,7 @@ class BurstRuntime:
         for name, value in produced.items():
             step.values[(name, stage.placement)] = value
 
-    def _run_split(self, step: _Step, stage: Stage, values: dict[str, Any], samples: int) -> None:
+    def _run_split(self, step: _CallState, stage: Stage, values: dict[str, Any], samples: int) -> None:
         """A stage's layers on this rank's rows of its sample group's samples."""
         ranks, index = step.layout(stage.placement).part(self.rank)
         part = SpatialPart(ranks, index, self.messages)
@@ -204,11 +208,11 @@ class BurstRuntime:
             sizes.update({node: leaf.shape[ROWS - 1] for node, leaf in zip(nodes, step.meta[value].leaves)})
         for layer in stage.layers:
             values[layer], split = run_layer_split(
-                self.captured, layer, values, samples, step.local, part, sizes
+                self.captured, layer, values, samples, step.scalars, part, sizes
             )
             sizes.update(split)
 
-    def _stage_input(self, step: _Step, value: str, placement: Placement) -> Any:
+    def _stage_input(self, step: _CallState, value: str, placement: Placement) -> Any:
         """A value as a stage reads it: detached leaves that collect its gradient, cloned so that
         in-place layers cannot touch the leaves another stage reads."""
         current = step.values[(value, placement)]
@@ -222,19 +226,19 @@ class BurstRuntime:
         flat = [t.clone() if t.requires_grad else t for t in step.leaves[key]]
         return pytree.tree_unflatten(flat, step.meta[value].spec)
 
-    def _send(self, step: _Step, action: Action) -> None:
+    def _send(self, step: _CallState, action: Action) -> None:
         src, dst = step.layout(action.src), step.layout(action.dst)
         meta = step.meta[action.value]
         if action.value in step.whole and action.src == self.home:  # every rank holds it: no message
             leaf = meta.leaves[0]
-            part = local_block(samples_view(step.whole[action.value], leaf), dst, self.rank, leaf.shape)
+            part = block_of_whole(samples_view(step.whole[action.value], leaf), dst, self.rank, leaf.shape)
             if part is not None:
                 step.values[(action.value, action.dst)] = rows_view(part, leaf)
             return
         if src.samples(self.rank) == 0 and dst.samples(self.rank) == 0:
             return
-        local = step.values.get((action.value, action.src))
-        flat = pytree.tree_leaves(local) if local is not None else None
+        held = step.values.get((action.value, action.src))
+        flat = pytree.tree_leaves(held) if held is not None else None
         with torch.no_grad():
             moved = self._move(meta, flat, src, dst, [True] * len(meta.leaves))
         if moved is not None:
@@ -254,11 +258,11 @@ class BurstRuntime:
             if not which[i]:
                 moved.append(None)
                 continue
-            local = flat[i] if flat is not None else None
-            if local is not None:
-                local = samples_view(local.detach(), leaf)
+            held = flat[i] if flat is not None else None
+            if held is not None:
+                held = samples_view(held.detach(), leaf)
             result = redistribute(
-                local,
+                held,
                 src,
                 dst,
                 rank=self.rank,
@@ -271,17 +275,17 @@ class BurstRuntime:
             moved.append(rows_view(result, leaf) if result is not None else None)
         return moved if dst.samples(self.rank) > 0 else None
 
-    def _outputs(self, step: _Step) -> Any:
+    def _outputs(self, step: _CallState) -> Any:
         names = self.captured.graph.outputs
         results = {name: self._held(step, name) for name in names}
         if step.training:
             results = self._attach_backward(step, list(names), results)
         if not self.shared:
-            return self.captured.forward_outputs(results, step.counts[self.rank], step.local)
+            return self.captured.forward_outputs(results, step.counts[self.rank], step.scalars)
         whole = {name: self._gather(step, name, value) for name, value in results.items()}
-        return self.captured.forward_outputs(whole, sum(step.counts), step.local)
+        return self.captured.forward_outputs(whole, sum(step.counts), step.scalars)
 
-    def _gather(self, step: _Step, name: str, value: Any) -> Any:
+    def _gather(self, step: _CallState, name: str, value: Any) -> Any:
         """The whole shared batch of a value, from every rank's share."""
         flat, spec = pytree.tree_flatten(value)
         leaves = iter(step.meta[name].leaves)  # one per tensor, in order
@@ -293,7 +297,7 @@ class BurstRuntime:
 
         return pytree.tree_unflatten([whole(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
-    def _held(self, step: _Step, name: str) -> Any:
+    def _held(self, step: _CallState, name: str) -> Any:
         """A value at the full width; a rank holding no samples gets empty tensors."""
         if (name, self.home) not in step.values:
             meta = step.meta[name]
@@ -304,7 +308,7 @@ class BurstRuntime:
             step.values[(name, self.home)] = pytree.tree_unflatten(empty, meta.spec)
         return step.values[(name, self.home)]
 
-    def _attach_backward(self, step: _Step, names: list[str], results: dict[str, Any]) -> dict[str, Any]:
+    def _attach_backward(self, step: _CallState, names: list[str], results: dict[str, Any]) -> dict[str, Any]:
         """Route every output through one autograd node whose backward runs the schedule."""
         slots: list[tuple[str, int]] = []
         tensors: list[torch.Tensor] = []
@@ -333,7 +337,7 @@ class BurstRuntime:
 
     def backward(
         self,
-        step: _Step,
+        step: _CallState,
         slots: Sequence[tuple[str, int]],
         grads: Sequence[torch.Tensor | None],
         accumulate: bool = True,
@@ -349,7 +353,7 @@ class BurstRuntime:
         self._last_pass = False
         self._run(step, self.schedule.backward)
 
-    def _backward_stage(self, step: _Step, action: Action) -> None:
+    def _backward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
         if self.rank >= stage.width:
             return
@@ -382,7 +386,7 @@ class BurstRuntime:
                 _accumulate(step, (value, stage.placement), i, grad, len(step.meta[value].leaves))
             leaf.grad = None
 
-    def _send_grad(self, step: _Step, action: Action) -> None:
+    def _send_grad(self, step: _CallState, action: Action) -> None:
         if action.value in step.input_grads and not step.input_grads[action.value]:
             return
         src, dst = step.layout(action.dst), step.layout(action.src)
@@ -409,13 +413,13 @@ class BurstRuntime:
                 if grad is not None:
                     _accumulate(step, (action.value, action.src), i, grad, len(meta.leaves))
 
-    def _sync(self, step: _Step, action: Action) -> None:
+    def _sync(self, step: _CallState, action: Action) -> None:
         self.grad_sync.launch_through(self.schedule.buckets[action.number])
 
-    def _wait(self, step: _Step, action: Action) -> None:
+    def _wait(self, step: _CallState, action: Action) -> None:
         """End of the backward schedule; gradients are synchronized when the step asks for it."""
 
-    def input_grad(self, step: _Step, name: str) -> torch.Tensor | None:
+    def input_grad(self, step: _CallState, name: str) -> torch.Tensor | None:
         pending = step.grads.pop((name, self.home), None)
         return pending[0] if pending else None
 
@@ -434,7 +438,7 @@ def _held_shape(leaf: LeafMeta, layout: Layout, rank: int) -> tuple[int, ...]:
     return (*shape[:ROWS], rows, *shape[ROWS + 1 :])
 
 
-def _accumulate(step: _Step, key: Key, index: int, grad: torch.Tensor, count: int) -> None:
+def _accumulate(step: _CallState, key: Key, index: int, grad: torch.Tensor, count: int) -> None:
     pending = step.grads.setdefault(key, [None] * count)
     current = pending[index]
     pending[index] = grad if current is None else current + grad
@@ -464,7 +468,7 @@ class _RunBackward(torch.autograd.Function):
     def forward(
         ctx: Any,
         runtime: BurstRuntime,
-        step: _Step,
+        step: _CallState,
         slots: list[tuple[str, int]],
         inputs: list[str],
         anchor: torch.Tensor,

@@ -28,10 +28,10 @@ def first_difference(captured: CapturedGraph, step: Any, inputs: dict[str, Any])
     if step is None or captured.stochastic or captured.batch_statistics:
         return None
     batch = {name: inputs[name] for name in captured.batch_inputs}
-    local = {name: inputs[name] for name in captured.local_inputs}
+    scalars = {name: inputs[name] for name in captured.scalar_inputs}
     count = next(iter(batch.values())).shape[0]
     with torch.no_grad(), preserved(captured.module):
-        reference = captured.run_all(batch, count, local)
+        reference = captured.run_all(batch, count, scalars)
     planned = {name: value for (name, _), value in step.values.items() if name in captured.code}
     for layer in captured.graph.layers:
         if layer.name not in planned:

@@ -1,4 +1,4 @@
-"""Halo exchange: a spatially local operation (a convolution, a pooling) on one part of a sample split
+"""Halo exchange: a spatially mine operation (a convolution, a pooling) on one part of a sample split
 by rows. The part posts the rows its neighbours need and receives theirs (`ir.rows.halo_moves`).
 
 A convolution (a `PaddedKernel`) runs on the part's own rows while the messages are in flight, padded
@@ -114,7 +114,7 @@ class _Geometry(NamedTuple):
 
 
 def windowed(
-    local: torch.Tensor,
+    mine: torch.Tensor,
     kernel: Kernel,
     params: Params,
     *,
@@ -124,10 +124,10 @@ def windowed(
     index: int,
     messages: Messages = WORLD,
 ) -> torch.Tensor:
-    """`kernel` over the whole sample, for the output rows part `index` holds along `dim`. `local`
+    """`kernel` over the whole sample, for the output rows part `index` holds along `dim`. `mine`
     holds this part's rows of a dimension of `size` rows split over the global `ranks`, which
     exchange halos by `messages`. Every part of `ranks` must call it with the same arguments but
-    `local` and `index`. Differentiable in `local` and `params`."""
+    `mine` and `index`. Differentiable in `mine` and `params`."""
     parts = len(ranks)
     start, stop = part_rows(size, parts, index)
     need = slab(kernel.window, size, parts, index)
@@ -135,19 +135,19 @@ def windowed(
     first = own_rows(kernel.window, size, parts, index) if isinstance(kernel, PaddedKernel) else None
     geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, messages, first)
     function = _Windowed if first is None else _OwnRowsFirst
-    return function.apply(local, kernel, geometry, *params)
+    return function.apply(mine, kernel, geometry, *params)
 
 
 class _Windowed(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, kernel: Kernel, geometry: _Geometry, *params: torch.Tensor | None
+        ctx: Any, mine: torch.Tensor, kernel: Kernel, geometry: _Geometry, *params: torch.Tensor | None
     ) -> torch.Tensor:
-        received, pending = _exchange_halo(local, geometry)
+        received, pending = _exchange_halo(mine, geometry)
         # Copying the own rows overlaps the messages.
-        assembled = _assemble(local, received, geometry, kernel.fill, pending)
+        assembled = _assemble(mine, received, geometry, kernel.fill, pending)
         out, saved = kernel.forward(assembled, params)
-        _save(ctx, kernel, geometry, out, local, received, params)
+        _save(ctx, kernel, geometry, out, mine, received, params)
         ctx.saved = saved
         return out
 
@@ -155,21 +155,21 @@ class _Windowed(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         geometry: _Geometry = ctx.geometry
         kernel: Kernel = ctx.kernel
-        local, received, params = _saved(ctx)
+        mine, received, params = _saved(ctx)
         dim, need = geometry.dim, geometry.need
         exchange = None
         if ctx.needs_input_grad[0]:  # the same on every part, as in `_OwnRowsFirst`
-            shape = torch.Size(_shape(local, dim, need.rows))
-            grad_slab = kernel.input_grad(grad, shape, params, ctx.saved).to(local.dtype)
+            shape = torch.Size(_shape(mine, dim, need.rows))
+            grad_slab = kernel.input_grad(grad, shape, params, ctx.saved).to(mine.dtype)
             returned = {
                 m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.samples)
                 for m in geometry.incoming
             }
-            exchange = _return_halo_grads(returned, local, geometry)
+            exchange = _return_halo_grads(returned, mine, geometry)
         # The parameters' gradients (and the slab they need, rebuilt) overlap the messages.
         grad_params = kernel.param_grads(
             grad,
-            lambda: _assemble(local, received, geometry, kernel.fill).to(ctx.dtype),
+            lambda: _assemble(mine, received, geometry, kernel.fill).to(ctx.dtype),
             params,
             ctx.saved,
             ctx.needs_input_grad[3:],
@@ -180,7 +180,7 @@ class _Windowed(torch.autograd.Function):
         if own_hi <= own_lo:  # the slab reads none of the part's rows
             own_lo, own_hi = geometry.start, geometry.start
         grad_own = grad_slab.narrow(dim, max(0, need.before + own_lo - need.start), own_hi - own_lo)
-        return (_grad_local(local, geometry, own_lo, grad_own, *exchange), None, None, *grad_params)
+        return (_grad_local(mine, geometry, own_lo, grad_own, *exchange), None, None, *grad_params)
 
 
 class _OwnRowsFirst(torch.autograd.Function):
@@ -189,17 +189,17 @@ class _OwnRowsFirst(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, kernel: PaddedKernel, geometry: _Geometry, *params: torch.Tensor | None
+        ctx: Any, mine: torch.Tensor, kernel: PaddedKernel, geometry: _Geometry, *params: torch.Tensor | None
     ) -> torch.Tensor:
         dim, own = geometry.dim, geometry.own_rows
         assert own is not None
-        received, pending = _exchange_halo(local, geometry)
-        out, _ = kernel.padded(own.padding).forward(_own_input(local, geometry), params)
+        received, pending = _exchange_halo(mine, geometry)
+        out, _ = kernel.padded(own.padding).forward(_own_input(mine, geometry), params)
         pending.wait()
         for boundary in own.boundaries:
-            rows, _ = kernel.forward(_boundary_slab(local, received, geometry, boundary), params)
+            rows, _ = kernel.forward(_boundary_slab(mine, received, geometry, boundary), params)
             _rows(out, dim, boundary).copy_(rows)
-        _save(ctx, kernel, geometry, out, local, received, params)
+        _save(ctx, kernel, geometry, out, mine, received, params)
         return out
 
     @staticmethod
@@ -208,7 +208,7 @@ class _OwnRowsFirst(torch.autograd.Function):
         kernel: PaddedKernel = ctx.kernel
         own = geometry.own_rows
         assert own is not None
-        local, received, params = _saved(ctx)
+        mine, received, params = _saved(ctx)
         dim, wants_input = geometry.dim, ctx.needs_input_grad[0]
         wanted = (wants_input, *ctx.needs_input_grad[3:])
         # First, per boundary, the halo rows' gradients (sent at once, to travel while the rest is
@@ -216,7 +216,7 @@ class _OwnRowsFirst(torch.autograd.Function):
         halo_grads = [
             kernel.halo_grads(
                 _rows(grad, dim, b),
-                _boundary_slab(local, received, geometry, b, ctx.dtype, own=False),
+                _boundary_slab(mine, received, geometry, b, ctx.dtype, own=False),
                 params,
                 wanted,
             )
@@ -226,43 +226,43 @@ class _OwnRowsFirst(torch.autograd.Function):
         if wants_input:  # the same on every part: each runs this layer on its rows of the same value
             slab_grads = [slab_grad for slab_grad, _ in halo_grads if slab_grad is not None]
             returned = {
-                m.src: _halo_grad(slab_grads, own.boundaries, m, dim).to(local.dtype)
+                m.src: _halo_grad(slab_grads, own.boundaries, m, dim).to(mine.dtype)
                 for m in geometry.incoming
             }
-            exchange = _return_halo_grads(returned, local, geometry)
+            exchange = _return_halo_grads(returned, mine, geometry)
         # An input's gradient does not depend on its values: the own rows' run gives the own rows'
         # whole gradient. The weights' does: the halo rows add theirs to the own rows' run's.
         grad_x, *grad_params = kernel.padded(own.padding).grads(
-            grad, _own_input(local, geometry), params, wanted
+            grad, _own_input(mine, geometry), params, wanted
         )
         for _, extra in halo_grads:
             grad_params = [g if e is None else e if g is None else g + e for g, e in zip(grad_params, extra)]
         if exchange is None:
             return (None, None, None, *grad_params)
         assert grad_x is not None
-        return (_grad_local(local, geometry, own.start, grad_x, *exchange), None, None, *grad_params)
+        return (_grad_local(mine, geometry, own.start, grad_x, *exchange), None, None, *grad_params)
 
 
-def _exchange_halo(local: torch.Tensor, geometry: _Geometry) -> tuple[list[torch.Tensor], Posted]:
+def _exchange_halo(mine: torch.Tensor, geometry: _Geometry) -> tuple[list[torch.Tensor], Posted]:
     """Post the rows the neighbours need and the buffers for the halo rows they send."""
     dim = geometry.dim
-    received = [local.new_empty(_shape(local, dim, m.samples)) for m in geometry.incoming]
-    outgoing = {m.dst: local.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
+    received = [mine.new_empty(_shape(mine, dim, m.samples)) for m in geometry.incoming]
+    outgoing = {m.dst: mine.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
     incoming = {m.src: t for m, t in zip(geometry.incoming, received)}
     return received, _post(outgoing, incoming, geometry)
 
 
 def _return_halo_grads(
-    returned: dict[int, torch.Tensor], local: torch.Tensor, geometry: _Geometry
+    returned: dict[int, torch.Tensor], mine: torch.Tensor, geometry: _Geometry
 ) -> tuple[dict[int, torch.Tensor], Posted]:
     """Post the halo rows' gradients to the parts that hold those rows, and the buffers for the
     gradients of the own rows the neighbours read."""
-    arriving = {m.dst: local.new_empty(_shape(local, geometry.dim, m.samples)) for m in geometry.outgoing}
+    arriving = {m.dst: mine.new_empty(_shape(mine, geometry.dim, m.samples)) for m in geometry.outgoing}
     return arriving, _post(returned, arriving, geometry)
 
 
 def _grad_local(
-    local: torch.Tensor,
+    mine: torch.Tensor,
     geometry: _Geometry,
     start: int,
     grad_own: torch.Tensor,
@@ -275,7 +275,7 @@ def _grad_local(
     if (start, start + grad_own.shape[dim]) == (geometry.start, geometry.stop):
         grad_local = grad_own
     else:  # the outputs read only some of the part's rows
-        grad_local = torch.zeros_like(local)
+        grad_local = torch.zeros_like(mine)
         grad_local.narrow(dim, start - geometry.start, grad_own.shape[dim]).copy_(grad_own)
     pending.wait()
     for move in geometry.outgoing:
@@ -288,30 +288,30 @@ def _save(
     kernel: Kernel,
     geometry: _Geometry,
     out: torch.Tensor,
-    local: torch.Tensor,
+    mine: torch.Tensor,
     received: Sequence[torch.Tensor],
     params: Params,
 ) -> None:
     ctx.kernel, ctx.geometry, ctx.dtype = kernel, geometry, out.dtype
-    ctx.save_for_backward(local, *received, *(p for p in params if p is not None))
+    ctx.save_for_backward(mine, *received, *(p for p in params if p is not None))
     ctx.present = [p is not None for p in params]
 
 
 def _saved(ctx: Any) -> tuple[torch.Tensor, list[torch.Tensor], Params]:
     """What `_save` kept: the part's rows, the halo it received, the parameters."""
-    local, *rest = ctx.saved_tensors
+    mine, *rest = ctx.saved_tensors
     count = len(ctx.geometry.incoming)
     given = iter(rest[count:])
-    return local, list(rest[:count]), tuple(next(given) if present else None for present in ctx.present)
+    return mine, list(rest[:count]), tuple(next(given) if present else None for present in ctx.present)
 
 
-def _own_input(local: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+def _own_input(mine: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
     """The own rows a padded kernel's output rows read (all of them but at odd strides)."""
     own = geometry.own_rows
     assert own is not None
     if (own.start, own.stop) == (geometry.start, geometry.stop):
-        return local
-    return local.narrow(geometry.dim, own.start - geometry.start, own.stop - own.start)
+        return mine
+    return mine.narrow(geometry.dim, own.start - geometry.start, own.stop - own.start)
 
 
 def _rows(values: torch.Tensor, dim: int, boundary: Boundary) -> torch.Tensor:
@@ -320,7 +320,7 @@ def _rows(values: torch.Tensor, dim: int, boundary: Boundary) -> torch.Tensor:
 
 
 def _boundary_slab(
-    local: torch.Tensor,
+    mine: torch.Tensor,
     received: Sequence[torch.Tensor],
     geometry: _Geometry,
     boundary: Boundary,
@@ -330,10 +330,10 @@ def _boundary_slab(
     """The rows a boundary's outputs read: halo rows, own rows (zeros without `own`), zeros for
     padding; in `dtype` (default: the part's)."""
     dim = geometry.dim
-    out = local.new_zeros(_shape(local, dim, boundary.stop - boundary.start), dtype=dtype)
+    out = mine.new_zeros(_shape(mine, dim, boundary.stop - boundary.start), dtype=dtype)
     pieces = [(m.start, rows) for m, rows in zip(geometry.incoming, received)]
     if own:
-        pieces.append((geometry.start, local))
+        pieces.append((geometry.start, mine))
     for start, rows in pieces:
         lo, hi = max(start, boundary.start), min(start + rows.shape[dim], boundary.stop)
         if hi > lo:
@@ -357,7 +357,7 @@ def _halo_grad(
 
 
 def _assemble(
-    local: torch.Tensor,
+    mine: torch.Tensor,
     received: Sequence[torch.Tensor],
     geometry: _Geometry,
     fill: float,
@@ -365,17 +365,17 @@ def _assemble(
 ) -> torch.Tensor:
     """The slab: padding rows, the halo rows before the own rows, the own rows, the halo rows after,
     padding rows. With `pending` messages, waits for them after copying the own rows. A slab of
-    exactly the own rows is `local` itself, not a copy."""
+    exactly the own rows is `mine` itself, not a copy."""
     dim, need = geometry.dim, geometry.need
     if geometry.whole() and not received:
         if pending is not None:
             pending.wait()  # the rows it sends must outlive the messages
-        return local
-    out = local.new_empty(_shape(local, dim, need.rows))
+        return mine
+    out = mine.new_empty(_shape(mine, dim, need.rows))
     own_lo, own_hi = geometry.own()
     if own_hi > own_lo:
         out.narrow(dim, need.before + own_lo - need.start, own_hi - own_lo).copy_(
-            local.narrow(dim, own_lo - geometry.start, own_hi - own_lo)
+            mine.narrow(dim, own_lo - geometry.start, own_hi - own_lo)
         )
     out.narrow(dim, 0, need.before).fill_(fill)
     out.narrow(dim, need.rows - need.after, need.after).fill_(fill)

@@ -70,7 +70,7 @@ def run_layer_split(
     name: str,
     values: Mapping[str, Any],
     batch_size: int,
-    local: Mapping[str, Any],
+    scalars: Mapping[str, Any],
     part: SpatialPart,
     sizes: Mapping[str, int],
 ) -> tuple[Any, dict[str, int]]:
@@ -78,7 +78,7 @@ def run_layer_split(
     `SPLIT_DIM` of every split value the layer reads (by node name); returns the layer's value and the
     whole sizes of its split outputs."""
     code = captured.code[name]
-    env: dict[str, Any] = {BATCH_SIZE: batch_size, **local}
+    env: dict[str, Any] = {BATCH_SIZE: batch_size, **scalars}
     for source, nodes in code.reads:
         unpack(captured, source, values[source], env, nodes)
     split = dict(sizes)

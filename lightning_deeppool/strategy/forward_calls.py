@@ -54,7 +54,7 @@ class ForwardCalls:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.in_training_step:
-            return self._local(args, kwargs)
+            return self._unplanned(args, kwargs)
         installation = self.strategy.installation
         if installation is not None and installation.data_parallel:
             with self.strategy.step_times.work():
@@ -72,7 +72,7 @@ class ForwardCalls:
             rows = self.agreement.agree(call_site(), call.row if call is not None else ())
             if rows is not None:
                 return self._timed_backward(self._planned(args, kwargs, call, rows))
-        return self._local(args, kwargs)
+        return self._unplanned(args, kwargs)
 
     def _timed_backward(self, outputs: Any) -> Any:
         """The backward's work starts where the gradients reach these outputs (`StepTimes.backward`)."""
@@ -133,7 +133,7 @@ class ForwardCalls:
         if message is not None:
             raise RuntimeError(f"deeppool: the installed plan does not reproduce the model: {message}")
 
-    def _local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _unplanned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         installation = self.strategy.installation
         rank = self.strategy.global_rank
         if installation is None or installation.owns_everything(rank):
