@@ -15,7 +15,7 @@ from lightning_deeppool.ir.placement import (
     busiest_rank_share,
 )
 from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
-from lightning_deeppool.planner import cost
+from lightning_deeppool.planner import checks, cost
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
@@ -182,13 +182,13 @@ def test_batch_smaller_than_world_is_rejected_with_what_to_change():
     with pytest.raises(
         ValueError, match=r"global batch size 3 is smaller than the world size 4;.*raise the batch"
     ):
-        cost.check_sizes(4, 3)
+        checks.check_sizes(4, 3)
 
 
 def test_a_profile_of_another_graph_is_rejected():
     profile = linear_profile(chain(2), {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=10)
     with pytest.raises(ValueError, match=r"the profile was made for graph .* profile this model again"):
-        cost.check_profile(chain(3), profile)
+        checks.check_profile(chain(3), profile)
 
 
 # ---------------------------------------------------------------------------- spatial splits
@@ -331,12 +331,12 @@ def test_memory_of_a_split_layer_is_its_share_of_the_rows():
 
 
 def test_a_batch_smaller_than_the_world_is_allowed_when_a_layer_can_be_split_by_height():
-    cost.check_sizes(4, 1, spatial_graph())
+    checks.check_sizes(4, 1, spatial_graph())
     with pytest.raises(
         ValueError,
         match=r"global batch size 3 is smaller than the world size 4; no layer can be split by height",
     ):
-        cost.check_sizes(4, 3, chain(2))
+        checks.check_sizes(4, 3, chain(2))
 
 
 def test_a_loss_inside_forward_needs_a_sample_on_every_rank():
@@ -347,7 +347,7 @@ def test_a_loss_inside_forward_needs_a_sample_on_every_rank():
     with pytest.raises(
         ValueError, match=r"layer 'head' reduces over each rank's own samples .* batch size 2 is smaller than"
     ):
-        cost.check_sizes(4, 2, graph)
+        checks.check_sizes(4, 2, graph)
 
 
 def test_with_fewer_samples_than_devices_the_ddp_baseline_runs_on_as_many_devices_as_samples():
@@ -369,7 +369,7 @@ def test_with_fewer_samples_than_devices_the_ddp_baseline_runs_on_as_many_device
     ],
 )
 def test_a_placement_is_a_width_a_placement_or_a_mapping(value, expected):
-    assert cost.as_placement(value, "pin 'a'") == expected
+    assert checks.as_placement(value, "pin 'a'") == expected
 
 
 @pytest.mark.parametrize(
@@ -383,4 +383,4 @@ def test_a_placement_is_a_width_a_placement_or_a_mapping(value, expected):
 )
 def test_anything_else_is_an_error_showing_the_expected_form(value, message):
     with pytest.raises(ValueError, match=message):
-        cost.as_placement(value, "pin 'a'")
+        checks.as_placement(value, "pin 'a'")

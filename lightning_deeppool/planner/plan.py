@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
-from lightning_deeppool.planner import cost
+from lightning_deeppool.planner import checks, cost
 
 _Key = TypeVar("_Key", bound=Hashable)
 
@@ -259,11 +259,7 @@ def validate_plan(plan: Plan, graph: LayerGraph) -> None:
     for layer_plan in plan.layers:
         if layer_plan.name not in names:
             raise ValueError(f"the plan has layer {layer_plan.name!r}, which the model does not have")
-        if not 1 <= layer_plan.width <= plan.world_size:
-            raise ValueError(
-                f"layer {layer_plan.name!r} has width {layer_plan.width}, outside 1..{plan.world_size}"
-            )
-        cost.check_placement(
+        checks.check_placement(
             graph.layer(layer_plan.name),
             layer_plan.placement,
             world_size=plan.world_size,
@@ -282,8 +278,8 @@ def plan_with_widths(
 ) -> Plan:
     """Cost a given assignment into a Plan: per layer (every one) a width in 1..N, a `Placement`, or a
     mapping ``{"width": w, "spatial": s}``, checked as `validate_plan` checks a plan."""
-    cost.check_sizes(world_size, global_batch_size, graph)
-    cost.check_profile(graph, profile)
+    checks.check_sizes(world_size, global_batch_size, graph)
+    checks.check_profile(graph, profile)
     names = {layer.name for layer in graph.layers}
     unknown = sorted(set(widths) - names)
     if unknown:
@@ -292,8 +288,8 @@ def plan_with_widths(
     for layer in graph.layers:
         if layer.name not in widths:
             raise ValueError(f"layer {layer.name!r} has no width")
-        placement = cost.as_placement(widths[layer.name], f"layer {layer.name!r}")
-        cost.check_placement(layer, placement, world_size=world_size, global_batch_size=global_batch_size)
+        placement = checks.as_placement(widths[layer.name], f"layer {layer.name!r}")
+        checks.check_placement(layer, placement, world_size=world_size, global_batch_size=global_batch_size)
         if layer.per_rank and placement != Placement(world_size):
             raise ValueError(
                 f"layer {layer.name!r} reduces over each rank's samples (a loss inside forward): it must run "

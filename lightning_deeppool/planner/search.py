@@ -32,7 +32,7 @@ import numpy as np
 from lightning_deeppool.ir.graph import Layer, LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
-from lightning_deeppool.planner import cost
+from lightning_deeppool.planner import checks, cost
 from lightning_deeppool.planner.plan import Plan, equal_width_runs, plan_with_widths
 
 # Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
@@ -99,12 +99,12 @@ def resolve_pins(
     ``{"width": 4, "spatial": 2}`` (4 devices: 2 sample groups, each sample in 2 parts). A pin matches
     a layer whose module or name equals the prefix or starts with ``prefix + "."``; ``""`` matches
     everything; the longest matching prefix wins. Every layer a pin decides must be able to run at it
-    (`cost.check_placement`, with `global_batch_size` when given)."""
+    (`checks.check_placement`, with `global_batch_size` when given)."""
     if not pins:
         return {}
     placements = {}
     for prefix, value in pins.items():
-        placement = cost.as_placement(value, f"pin {prefix!r}")
+        placement = checks.as_placement(value, f"pin {prefix!r}")
         if not 1 <= placement.width <= world_size:
             raise ValueError(
                 f"pin {prefix!r}: width {placement.width} is outside 1..{world_size}; pin a width between 1 "
@@ -128,7 +128,7 @@ def resolve_pins(
         if matching:
             prefix = max(matching, key=len)
             try:
-                cost.check_placement(
+                checks.check_placement(
                     layer,
                     placements[prefix],
                     world_size=world_size,
@@ -183,8 +183,8 @@ def search(
     run's placement: more devices, or as many with fewer spatial parts) while the predicted step stays
     within `tie_tolerance` of the best.
     """
-    cost.check_sizes(world_size, global_batch_size, graph)
-    cost.check_profile(graph, profile)
+    checks.check_sizes(world_size, global_batch_size, graph)
+    checks.check_profile(graph, profile)
     if amplification_limit < 1:
         raise ValueError(
             f"amplification limit {amplification_limit} is below 1, which no width above 1 can meet; use "

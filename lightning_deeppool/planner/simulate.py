@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.profile import AlphaBeta, Profile
-from lightning_deeppool.planner import cost
+from lightning_deeppool.planner import checks, cost
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import search
 
@@ -90,14 +90,14 @@ def project(
 
     The profile must cover per-device batches ``ceil(B / N)`` .. ``B`` for every N (profile with
     ``candidate_batch_sizes(B, max(devices))``); otherwise the profile's out-of-range error is raised.
-    A device count above B needs layers that can be split by height (`cost.check_sizes`).
+    A device count above B needs layers that can be split by height (`checks.check_sizes`).
     """
     if not devices:
         raise ValueError("no device counts to project; give at least one, e.g. 8,16,32")
     if not 0 <= background_efficiency <= 1:
         raise ValueError(f"background efficiency must be in 0..1, got {background_efficiency}")
     for n in devices:
-        cost.check_sizes(n, global_batch_size, graph)
+        checks.check_sizes(n, global_batch_size, graph)
     single = cost.evaluate(
         graph,
         profile,
