@@ -6,14 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_deeppool.ir.placement import Placement
-from lightning_deeppool.planner.plan import (
-    PLAN_VERSION,
-    Plan,
-    equal_width_runs,
-    plan_with_widths,
-    validate_plan,
-)
+from lightning_deeppool.ir.placement import Placement, equal_width_runs
+from lightning_deeppool.planner.plan import PLAN_VERSION, Plan, plan_with_widths, validate_plan
 
 from planner_fixtures import chain, conv_net, linear_profile
 

@@ -12,6 +12,7 @@ two such layouts, rows included.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +37,17 @@ def balanced(total: int, width: int, world_size: int) -> tuple[int, ...]:
 def per_device_batch(global_batch_size: int, width: int) -> int:
     """Samples on the busiest device of a layer of this width (rank 0 takes the remainder)."""
     return math.ceil(global_batch_size / width)
+
+
+def equal_width_runs(names: Iterable[str], widths: Mapping[str, object]) -> list[list[str]]:
+    """`names` in order, cut into maximal runs of consecutive names with one width (or placement)."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and widths[runs[-1][0]] == widths[name]:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return runs
 
 
 def offsets(counts: tuple[int, ...]) -> tuple[int, ...]:

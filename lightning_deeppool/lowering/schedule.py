@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_deeppool.ir.graph import LayerGraph
-from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -97,12 +97,7 @@ class Schedule:
 def build_stages(graph: LayerGraph, given: Mapping[str, Placement | int]) -> tuple[Stage, ...]:
     """Cut the execution order into maximal runs of equal placement."""
     placements = {name: Placement.of(p) for name, p in given.items()}
-    runs: list[list[str]] = []
-    for layer in graph.layers:
-        if runs and placements[runs[-1][0]] == placements[layer.name]:
-            runs[-1].append(layer.name)
-        else:
-            runs.append([layer.name])
+    runs = equal_width_runs((layer.name for layer in graph.layers), placements)
     stage_of = {name: i for i, run in enumerate(runs) for name in run}
     graph_outputs = set(graph.outputs)
     stages = []

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.placement import equal_width_runs as equal_width_runs  # for benchmarks/vs_ddp.py
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import checks, cost
-
-_Key = TypeVar("_Key", bound=Hashable)
 
 PLAN_VERSION = 1
 
@@ -234,17 +233,6 @@ def _idle_summary(fractions: list[float]) -> str:
             parts.append(f"{ranks} {fractions[start]:.0%}")
             start = rank
     return ", ".join(parts)
-
-
-def equal_width_runs(names: Iterable[str], widths: Mapping[str, _Key]) -> list[list[str]]:
-    """``names`` in order, cut into maximal runs of consecutive names with one width (or placement)."""
-    runs: list[list[str]] = []
-    for name in names:
-        if runs and widths[runs[-1][0]] == widths[name]:
-            runs[-1].append(name)
-        else:
-            runs.append([name])
-    return runs
 
 
 def validate_plan(plan: Plan, graph: LayerGraph) -> None:

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_deeppool.ir.graph import Layer, LayerGraph
-from lightning_deeppool.ir.placement import Placement
+from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import checks, cost
-from lightning_deeppool.planner.plan import Plan, equal_width_runs, plan_with_widths
+from lightning_deeppool.planner.plan import Plan, plan_with_widths
 
 # Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
 # device-time is too small to matter and their profiled times are mostly launch overhead.
