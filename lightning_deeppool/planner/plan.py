@@ -19,6 +19,7 @@ from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.placement import equal_width_runs as equal_width_runs  # for benchmarks/vs_ddp.py
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import checks, cost
+from lightning_deeppool.planner.tables import aligned
 
 PLAN_VERSION = 1
 
@@ -175,15 +176,6 @@ class Plan:
             )
             for layer in self.layers
         ]
-        sizes = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-        def line(row: tuple[str, ...]) -> str:
-            cells = [
-                cell.ljust(size) if i < 2 else cell.rjust(size)
-                for i, (cell, size) in enumerate(zip(row, sizes, strict=True))
-            ]
-            return "  ".join(cells).rstrip()
-
         per_step = [
             f"{what}, {seconds * 1e3:.3f} ms"
             for what, seconds in (
@@ -199,7 +191,7 @@ class Plan:
             f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer})",
             "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
         ]
-        return "\n".join([line(header), *map(line, rows), *footer])
+        return "\n".join([*aligned([header, *rows], left=2), *footer])
 
     def check_matches(self, graph: LayerGraph, world_size: int) -> None:
         """Raise ValueError if the plan was made for another graph or another world size."""

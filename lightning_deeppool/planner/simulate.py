@@ -28,6 +28,7 @@ from lightning_deeppool.ir.profile import AlphaBeta, Profile
 from lightning_deeppool.planner import checks, cost
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import search
+from lightning_deeppool.planner.tables import aligned
 
 DEFAULT_BACKGROUND_EFFICIENCY = 0.4
 
@@ -156,10 +157,7 @@ def table(projections: Sequence[Projection]) -> str:
         )
         for p in projections
     ]
-    sizes = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.rjust(size) for cell, size in zip(row, sizes, strict=True)) for row in [header, *rows]
-    ]
+    lines = aligned([header, *rows])
     if projections:
         p = projections[0]
         lines.append(
