@@ -46,7 +46,14 @@ from lightning_deeppool.planner.simulate import (
     project,
     table,
 )
-from lightning_deeppool.profiling.layers import candidate_batch_sizes, profile_layers, time_whole_model
+from lightning_deeppool.profiling.layers import (
+    candidate_batch_sizes,
+    device_name,
+    parameter_dtype,
+    profile_layers,
+    progress_printer,
+    time_whole_model,
+)
 
 
 class UsageError(Exception):
@@ -194,10 +201,6 @@ def _measure(
 ) -> Profile:
     """Each layer's forward+backward time at each per-device batch size, on `device`, calibrated by a
     whole pass at the smallest (the full width's at the most devices)."""
-
-    def progress(done: int, total: int) -> None:
-        print(f"profiling layers {done}/{total}", end="\n" if done == total else "\r", flush=True)
-
     layers = profile_layers(
         captured,
         env,
@@ -205,15 +208,10 @@ def _measure(
         warmup=args.warmup,
         repeats=args.repeats,
         device=device,
-        progress=progress,
+        progress=progress_printer(),
     )
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"cpu-{torch.get_num_threads()}threads"
-    )
-    dtype = str(next((p.dtype for p in captured.module.parameters()), torch.float32))
     whole = time_whole_model(captured, env, sizes[0], warmup=args.warmup, repeats=args.repeats, device=device)
+    name, dtype = device_name(device), parameter_dtype(captured.module)
     return Profile(captured.graph.fingerprint, name, dtype, layers).calibrated(whole, sizes[0])
 
 

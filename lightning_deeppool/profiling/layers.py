@@ -48,6 +48,29 @@ def assign_layers(layer_names: Sequence[str], world_size: int, rank: int) -> lis
     return list(layer_names[rank::world_size])
 
 
+def device_name(device: torch.device) -> str:
+    """How a profile names the device it was measured on: the CUDA device's name, else the CPU's threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{torch.get_num_threads()}threads"
+
+
+def parameter_dtype(module: torch.nn.Module) -> str:
+    """The dtype a profile records: the module's first parameter's (float32 without parameters)."""
+    return str(next((p.dtype for p in module.parameters()), torch.float32))
+
+
+def progress_printer(prefix: str = "") -> Callable[[int, int], None]:
+    """A `profile_layers` progress callback printing ``{prefix}profiling layers done/total`` over itself
+    on one line, ended at the last layer."""
+
+    def progress(done: int, total: int) -> None:
+        end = "\n" if done == total else "\r"
+        print(f"{prefix}profiling layers {done}/{total}", end=end, flush=True)
+
+    return progress
+
+
 def merge_layer_profiles(parts: Sequence[dict[str, LayerProfile]]) -> dict[str, LayerProfile]:
     """Union of the ranks' profiles; raises if a layer appears twice or batch sizes differ."""
     merged: dict[str, LayerProfile] = {}

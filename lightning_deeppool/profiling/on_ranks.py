@@ -25,8 +25,11 @@ from lightning_deeppool.profiling.comm import measure_comm
 from lightning_deeppool.profiling.layers import (
     assign_layers,
     candidate_batch_sizes,
+    device_name,
     merge_layer_profiles,
+    parameter_dtype,
     profile_layers,
+    progress_printer,
     time_optimizer_step,
     time_whole_model,
 )
@@ -48,10 +51,9 @@ def profile_on_ranks(
     rank 0) and written there by rank 0."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     graph = captured.graph
-    device_name = _device_name(device)
-    dtype = str(next((p.dtype for p in captured.module.parameters()), torch.float32))
+    measured_on, dtype = device_name(device), parameter_dtype(captured.module)
     inputs = {name: repr(captured.meta[name].leaves) for name in captured.batch_inputs}
-    key = profile_cache_key(graph.fingerprint, inputs, dtype, device_name, world_size, global_batch_size)
+    key = profile_cache_key(graph.fingerprint, inputs, dtype, measured_on, world_size, global_batch_size)
     cached = on_rank_zero(lambda: load_cached_profile(cache_dir, key) if cache_dir else None)
     if cached is not None:
         if rank == 0:
@@ -68,7 +70,7 @@ def profile_on_ranks(
             warmup=warmup,
             repeats=repeats,
             device=device,
-            progress=_progress_printer() if rank == 0 else None,
+            progress=progress_printer("deeppool: ") if rank == 0 else None,
         )
     )
     parts: list[Any] = [None] * world_size
@@ -91,7 +93,7 @@ def profile_on_ranks(
     comm = comm.calibrated(reduced - plain, world_size, grad_bytes, plain)
     profile = Profile(
         graph_fingerprint=graph.fingerprint,
-        device=device_name,
+        device=measured_on,
         dtype=dtype,
         layers=merge_layer_profiles(parts),
         comm=comm,
@@ -129,17 +131,3 @@ def _all_reduce_in_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> None
     for work in works:
         if work is not None:
             work.wait()
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu-{torch.get_num_threads()}threads"
-
-
-def _progress_printer() -> Callable[[int, int], None]:
-    def progress(done: int, total: int) -> None:
-        end = "\n" if done == total else "\r"
-        print(f"deeppool: profiling layers {done}/{total}", end=end, flush=True)
-
-    return progress
