@@ -14,6 +14,7 @@ layer of the submodule that makes them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,34 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
     """The layers of a trace; raises `CaptureError` for values that cannot be split by sample."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    classified = _classify(trace)
+    uses = _ParameterUse(trace.gm)
+    units = _layer_units(trace, classified, uses, granularity)
+    names = _unit_names(units, set(trace.inputs), uses)
+    layers = _LayerBuilder(trace, classified, uses, units, names)
+    for name, unit in zip(names, units):
+        layers.add(name, unit)
+    returned = _returned(trace.gm.graph)
+    graph = _layer_graph(classified, layers, returned)
+    return _captured(trace, call, classified, layers, graph, returned)
+
+
+@dataclass(frozen=True)
+class _Classified:
+    """What the trace's nodes depend on. `nodes` are its computing nodes (neither placeholders nor the
+    output) in graph order; `tainted` those that depend on the batch's data, with the batch inputs;
+    `kinds` each node's `_kind`, ``"aux"`` for the rest, ``"batch"`` for the batch inputs."""
+
+    nodes: list[fx.Node]
+    batch_inputs: list[str]
+    scalar_inputs: list[str]
+    tainted: set[str]
+    kinds: dict[str, str]
+
+
+def _classify(trace: Trace) -> _Classified:
+    """The trace's nodes by what they depend on, dead code dropped; raises `CaptureError` where a
+    per-sample value reads a reduction over the batch."""
     graph = trace.gm.graph
     _drop_dead_code(graph)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -57,25 +86,74 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
     for name in batch_inputs:
         kinds[name] = "batch"
     _check_flows(graph, kinds)
-    units = _units(trace, [n for n in nodes if n.name in tainted])
-    uses = _ParameterUse(trace.gm)
-    units = _merge_units(units, kinds, graph)
+    return _Classified(nodes, batch_inputs, scalar_inputs, tainted, kinds)
+
+
+def _layer_units(
+    trace: Trace, classified: _Classified, uses: _ParameterUse, granularity: str
+) -> list[list[fx.Node]]:
+    """The data-dependent nodes grouped into layers, in execution order (see the module docstring)."""
+    units = _units(trace, [n for n in classified.nodes if n.name in classified.tainted])
+    units = _merge_units(units, classified.kinds, trace.gm.graph)
     if granularity == "layer":
-        units = _join_cheap_units(units, kinds, uses)
-    names = _unit_names(units, set(trace.inputs), uses)
-    owner = {node.name: name for name, unit in zip(names, units) for node in unit}
-    effects = _effects(trace, nodes, tainted, units, names)
-    output = next(n for n in graph.nodes if n.op == "output")
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    code: dict[str, LayerCode] = {}
-    layers: list[Layer] = []
-    meta: dict[str, ValueMeta] = {name: _input_meta(trace.leaves[name][0]) for name in batch_inputs}
-    params = dict(trace.gm.named_parameters())
-    counted: set[str] = set()
-    layer_params: dict[str, list[str]] = {}
-    for name, unit in zip(names, units):
-        own = [*unit, *effects.get(name, [])]
-        own_set = set(own)
+        units = _join_cheap_units(units, classified.kinds, uses)
+    return units
+
+
+class _LayerBuilder:
+    """Each unit's layer, added in execution order: its code, the description of its value (`meta`,
+    which starts with the batch inputs') and its `Layer`, which counts a parameter at its first user."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        classified: _Classified,
+        uses: _ParameterUse,
+        units: list[list[fx.Node]],
+        names: list[str],
+    ) -> None:
+        self.trace, self.classified, self.uses = trace, classified, uses
+        self.owner = {node.name: name for name, unit in zip(names, units) for node in unit}
+        self.effects = _effects(trace, classified.nodes, classified.tainted, units, names)
+        self.order = {n: i for i, n in enumerate(trace.gm.graph.nodes)}
+        self.params = dict(trace.gm.named_parameters())
+        self.counted: set[str] = set()
+        self.code: dict[str, LayerCode] = {}
+        self.layers: list[Layer] = []
+        self.meta = {name: _input_meta(trace.leaves[name][0]) for name in classified.batch_inputs}
+        self.layer_params: dict[str, list[str]] = {}
+
+    def add(self, name: str, unit: list[fx.Node]) -> None:
+        """Add the layer `name`, made of `unit`."""
+        code = self.code[name] = self._code(name, unit)
+        used = self.layer_params[name] = self.uses.of(code.nodes)
+        fresh = [p for p in used if p not in self.counted]
+        self.counted.update(fresh)
+        per_rank = any(self.classified.kinds[n.name] == "per_rank" for n in unit)
+        self.meta[name] = _layer_meta(self.trace, code.outputs, per_rank)
+        height, halo_bytes = (0, 0) if per_rank else split_shape(self.trace, code)
+        first = self.uses.first_user(unit)
+        module = first.meta.get("deeppool_unit")
+        self.layers.append(
+            Layer(
+                name=name,
+                op="call_module" if module else "call_function",
+                target=module or describe(first).split(" ", 1)[1],
+                inputs=tuple(producer for producer, _ in code.reads),
+                sample_bytes=self.meta[name].sample_bytes,
+                params=sum(self.params[p].numel() for p in fresh),
+                param_bytes=sum(self.params[p].numel() * self.params[p].element_size() for p in fresh),
+                per_rank=per_rank,
+                height=height,
+                halo_bytes=halo_bytes,
+            )
+        )
+
+    def _code(self, name: str, unit: list[fx.Node]) -> LayerCode:
+        """The unit's nodes with the state updates it runs and the auxiliary nodes it reads; the nodes
+        other layers or the output read; and what it reads from each layer or input."""
+        own = [*unit, *self.effects.get(name, [])]
+        own_set, owner = set(own), self.owner
         outputs = [
             n.name for n in unit
             if any(user not in own_set and (user.op == "output" or user.name in owner) for user in n.users)
@@ -83,80 +161,84 @@ def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer
         reads: dict[str, dict[str, None]] = {}
         for n in own:
             for source in n.all_input_nodes:
-                if source in own_set or source.name not in kinds or kinds[source.name] == "aux":
+                if source in own_set or self.classified.kinds.get(source.name, "aux") == "aux":
                     continue
                 producer = owner.get(source.name, source.name)
                 reads.setdefault(producer, {})[source.name] = None
-        closure = _closure(own, tainted)
-        evaluated = tuple(sorted({*closure, *own}, key=order.__getitem__))
-        code[name] = LayerCode(evaluated, tuple(outputs), tuple((k, tuple(v)) for k, v in reads.items()))
-        used = uses.of(evaluated)
-        fresh = [p for p in used if p not in counted]
-        counted.update(fresh)
-        layer_params[name] = used
-        per_rank = any(kinds[n.name] == "per_rank" for n in unit)
-        meta[name] = _layer_meta(trace, outputs, per_rank)
-        height, halo_bytes = (0, 0) if per_rank else split_shape(trace, code[name])
-        first = uses.first_user(unit)
-        module = first.meta.get("deeppool_unit")
-        layers.append(
-            Layer(
-                name=name,
-                op="call_module" if module else "call_function",
-                target=module or describe(first).split(" ", 1)[1],
-                inputs=tuple(reads),
-                sample_bytes=meta[name].sample_bytes,
-                params=sum(params[p].numel() for p in fresh),
-                param_bytes=sum(params[p].numel() * params[p].element_size() for p in fresh),
-                per_rank=per_rank,
-                height=height,
-                halo_bytes=halo_bytes,
-            )
-        )
-    output_leaves = list(output.args[0])
-    sources = {
-        owner.get(leaf.name, leaf.name)
-        for leaf in output_leaves
-        if isinstance(leaf, fx.Node) and leaf.name in kinds and kinds[leaf.name] != "aux"
-    }
-    for leaf in output_leaves:
+        closure = _closure(own, self.classified.tainted)
+        evaluated = tuple(sorted({*closure, *own}, key=self.order.__getitem__))
+        return LayerCode(evaluated, tuple(outputs), tuple((k, tuple(v)) for k, v in reads.items()))
+
+
+def _returned(graph: fx.Graph) -> list[Any]:
+    """What forward returns, flattened: nodes and constants."""
+    return list(next(n for n in graph.nodes if n.op == "output").args[0])
+
+
+def _check_returned(returned: list[Any], kinds: dict[str, str]) -> None:
+    """Raise `CaptureError` for a returned value that is not batch-first."""
+    for leaf in returned:
         if isinstance(leaf, fx.Node) and kinds.get(leaf.name) == "internal":
             raise CaptureError(
                 f"forward returns {leaf.name!r} ({describe(leaf)}){where(leaf)}, whose batch dimension "
                 "is not dimension 0 (or which mixes batch and other values); deeppool returns outputs to "
                 "the ranks holding their samples, so return tensors with the batch dimension first"
             )
+
+
+def _layer_graph(classified: _Classified, layers: _LayerBuilder, returned: list[Any]) -> LayerGraph:
+    """The planner's view: the batch inputs, the layers, the inputs and layers whose values forward
+    returns, and the parameters more than one layer uses; raises `CaptureError` for a returned value
+    that is not batch-first."""
+    _check_returned(returned, classified.kinds)
+    sources = {
+        layers.owner.get(leaf.name, leaf.name)
+        for leaf in returned
+        if isinstance(leaf, fx.Node) and classified.kinds.get(leaf.name, "aux") != "aux"
+    }
     users: dict[str, list[str]] = {}
-    for name in names:
-        for param in layer_params[name]:
+    for name, used in layers.layer_params.items():
+        for param in used:
             users.setdefault(param, []).append(name)
-    layer_graph = LayerGraph(
-        inputs=tuple(GraphInput(name, meta[name].sample_bytes) for name in batch_inputs),
-        layers=tuple(layers),
-        outputs=tuple(s for s in [*batch_inputs, *names] if s in sources),
+    params = layers.params
+    return LayerGraph(
+        inputs=tuple(GraphInput(name, layers.meta[name].sample_bytes) for name in classified.batch_inputs),
+        layers=tuple(layers.layers),
+        outputs=tuple(s for s in [*classified.batch_inputs, *layers.code] if s in sources),
         tied=tuple(
             Tied(param, params[param].numel() * params[param].element_size(), tuple(by))
             for param, by in users.items()
             if len(by) > 1
         ),
     )
-    guards = _closure([trace.node(g) for g in trace.guards], tainted)
-    targets = {_target_name(n) for n in nodes}
+
+
+def _captured(
+    trace: Trace,
+    call: CallSignature,
+    classified: _Classified,
+    layers: _LayerBuilder,
+    graph: LayerGraph,
+    returned: list[Any],
+) -> CapturedGraph:
+    """The `CapturedGraph` of the layers, with the guards and the nodes they read, in graph order."""
+    guards = _closure([trace.node(g) for g in trace.guards], classified.tainted)
+    targets = {_target_name(n) for n in classified.nodes}
     return CapturedGraph(
         module=trace.gm,
-        graph=layer_graph,
-        code=code,
-        layer_params=layer_params,
-        batch_inputs=batch_inputs,
-        scalar_inputs=scalar_inputs,
-        meta=meta,
+        graph=graph,
+        code=layers.code,
+        layer_params=layers.layer_params,
+        batch_inputs=classified.batch_inputs,
+        scalar_inputs=classified.scalar_inputs,
+        meta=layers.meta,
         call=call,
-        outputs=output_leaves,
+        outputs=returned,
         output_spec=trace.output_spec,
         tracer=trace.tracer,
         stochastic=bool(targets & _RANDOM),
         batch_statistics=bool(targets & _BATCH_STATISTICS),
-        guards=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=order.__getitem__)),
+        guards=tuple(sorted({*guards, *(trace.node(g) for g in trace.guards)}, key=layers.order.__getitem__)),
     )
 
 
