@@ -270,107 +270,149 @@ def _module_calls(
 
 
 def _merge(module: nn.Module, tapes: list[_Tape], named: list[tuple[str, Any]], input_spec: Any) -> Trace:
-    first = tapes[0]
+    """One `Trace` from the recordings at `SIZES`; raises `CaptureError` where they disagree."""
     _check_same_structure(tapes)
-    graph = fx.Graph()
-    batch_node = graph.placeholder(BATCH_SIZE)
-    inputs = {name: graph.placeholder(name) for name, leaf in named if isinstance(leaf, torch.Tensor)}
-    leaves_info: dict[str, tuple[Leaf | None, ...]] = {
-        inputs[name].name: (
-            Leaf(leaf.dtype, (1, *leaf.shape[1:]), (0,)) if leaf.dim() else Leaf(leaf.dtype, (), ()),
-        )
-        for name, leaf in named
-        if isinstance(leaf, torch.Tensor)
-    }
-    attrs: dict[str, Any] = {}
-    attr_nodes: dict[str, fx.Node] = {}
-    nodes: list[list[fx.Node]] = []
-    stacks: dict[str, tuple[ModuleCall, ...]] = {}
-    guards: list[str] = []
-
-    def arg(values: list[Any], position: str) -> Any:
-        value = values[0]
-        if isinstance(value, _Ref):
-            return node_of(value)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            if any(v != value for v in values[1:]):
-                raise CaptureError(
-                    f"the forward passes different values ({values}) to {position} at different batch sizes"
-                )
-            return value if _literal(value) else object_node(value)
-        if all(v == value for v in values[1:]):
-            return value
-        scale, offset = _fit(values, position)
-        return graph.call_function(affine, (batch_node, scale, offset))
-
-    def object_node(value: Any) -> fx.Node:
-        """A constant the generated code cannot spell (an enum, a callable): held as an attribute."""
-        name = f"_deeppool_object_{len(attrs)}"
-        attrs[name] = value
-        return graph.get_attr(name)
-
-    def node_of(ref: _Ref) -> fx.Node:
-        if ref.kind == "entry":
-            return nodes[ref.key][ref.leaf]
-        if ref.kind == "input":
-            return inputs[ref.key]
-        name = ref.key if ref.kind == "attr" else f"_deeppool_constant_{ref.key}"
-        if name not in attr_nodes:
-            attrs[name] = _fetch(module, ref.key) if ref.kind == "attr" else first.consts[ref.key]
-            attr_nodes[name] = graph.get_attr(name)
-        return attr_nodes[name]
-
-    for i, entry in enumerate(first.entries):
-        position = f"call {i} ({_name(entry.fn) if entry.module is None else entry.module})"
-        flat_args = [pytree.tree_flatten((t.entries[i].args, t.entries[i].kwargs))[0] for t in tapes]
-        spec = pytree.tree_flatten((entry.args, entry.kwargs))[1]
-        merged = [arg([f[j] for f in flat_args], position) for j in range(len(flat_args[0]))]
-        args, kwargs = pytree.tree_unflatten(merged, spec)
-        if entry.module is not None:
-            node = graph.call_module(entry.module, tuple(args), kwargs)
-        else:
-            node = graph.call_function(entry.fn, tuple(args), kwargs)
-        if not entry.grad:
-            node.meta["no_grad"] = True
-        outs = [_out_leaf(graph, node, j, entry) for j in range(len(entry.out_leaves))]
-        nodes.append(outs)
-        for j, out in enumerate(outs):
-            values = [t.entries[i].out_leaves[j] for t in tapes]
-            leaves_info[out.name] = (_leaf_info(values, position),)
-            stacks[out.name] = entry.stack
-        stacks[node.name] = entry.stack
-        leaves_info.setdefault(
-            node.name,
-            tuple(
-                _leaf_info([t.entries[i].out_leaves[j] for t in tapes], position)
-                for j in range(len(entry.out_leaves))
-            ),
-        )
-        if entry.guard is not None or (entry.module is None and not entry.out_leaves):
-            check = graph.call_function(check_guard, (node, entry.guard, f"{_name(entry.fn)}{entry.where}"))
-            guards.append(check.name)
-            stacks[check.name] = entry.stack
-    outputs = [arg([t.outputs[j] for t in tapes], f"output {j}") for j in range(len(first.outputs))]
-    graph.output(outputs)
-    for node in graph.nodes:
-        if node.op == "call_module":
-            attrs[str(node.target)] = module.get_submodule(str(node.target))
-    gm = graph_module(attrs, graph, {name for name, _ in module.named_buffers(remove_duplicate=False)})
-    for node in gm.graph.nodes:
-        leaves_info.setdefault(node.name, ())
-        stacks.setdefault(node.name, ())
+    builder = _GraphBuilder(module, tapes, named)
+    for i in range(len(tapes[0].entries)):
+        builder.add_call(i)
+    builder.add_outputs()
+    gm = builder.graph_module()
+    inputs = builder.inputs
     return Trace(
         gm=gm,
         inputs=[node.name for node in inputs.values()],
         input_spec=input_spec,
         leaf_names=[inputs[name].name if name in inputs else None for name, _ in named],
         constants=[None if isinstance(leaf, torch.Tensor) else leaf for _, leaf in named],
-        output_spec=first.out_spec,
-        leaves=leaves_info,
-        stacks=stacks,
+        output_spec=tapes[0].out_spec,
+        leaves=builder.leaves,
+        stacks=builder.stacks,
         tracer="record",
-        guards=tuple(guards),
+        guards=tuple(builder.guards),
     )
+
+
+class _GraphBuilder:
+    """The graph of recordings of one forward at `SIZES`: a node per recorded call, its arguments
+    merged across the recordings (an integer that grows with the batch size becomes an `affine` node,
+    a tensor the node that made it). `leaves` and `stacks` describe each node, `guards` name the checks
+    of the Python values the forward took from tensors."""
+
+    def __init__(self, module: nn.Module, tapes: list[_Tape], named: list[tuple[str, Any]]) -> None:
+        self.module, self.tapes, self.first = module, tapes, tapes[0]
+        self.graph = fx.Graph()
+        self.batch_node = self.graph.placeholder(BATCH_SIZE)
+        self.inputs = {
+            name: self.graph.placeholder(name) for name, leaf in named if isinstance(leaf, torch.Tensor)
+        }
+        self.leaves: dict[str, tuple[Leaf | None, ...]] = {
+            self.inputs[name].name: (
+                Leaf(leaf.dtype, (1, *leaf.shape[1:]), (0,)) if leaf.dim() else Leaf(leaf.dtype, (), ()),
+            )
+            for name, leaf in named
+            if isinstance(leaf, torch.Tensor)
+        }
+        self.attrs: dict[str, Any] = {}
+        self.attr_nodes: dict[str, fx.Node] = {}
+        self.nodes: list[list[fx.Node]] = []  # per recorded call, the nodes of its output's leaves
+        self.stacks: dict[str, tuple[ModuleCall, ...]] = {}
+        self.guards: list[str] = []
+
+    def add_call(self, i: int) -> None:
+        """The nodes of recorded call `i`: the call, its output's leaves and the check of its guard."""
+        entry = self.first.entries[i]
+        position = f"call {i} ({_name(entry.fn) if entry.module is None else entry.module})"
+        node = self._call_node(i, entry, position)
+        outs = [_out_leaf(self.graph, node, j, entry) for j in range(len(entry.out_leaves))]
+        self.nodes.append(outs)
+        for j, out in enumerate(outs):
+            values = [t.entries[i].out_leaves[j] for t in self.tapes]
+            self.leaves[out.name] = (_leaf_info(values, position),)
+            self.stacks[out.name] = entry.stack
+        self.stacks[node.name] = entry.stack
+        self.leaves.setdefault(
+            node.name,
+            tuple(
+                _leaf_info([t.entries[i].out_leaves[j] for t in self.tapes], position)
+                for j in range(len(entry.out_leaves))
+            ),
+        )
+        if entry.guard is not None or (entry.module is None and not entry.out_leaves):
+            check = self.graph.call_function(
+                check_guard, (node, entry.guard, f"{_name(entry.fn)}{entry.where}")
+            )
+            self.guards.append(check.name)
+            self.stacks[check.name] = entry.stack
+
+    def _call_node(self, i: int, entry: _Entry, position: str) -> fx.Node:
+        """The node of recorded call `i` (a leaf module's call, else a function's)."""
+        flat_args = [pytree.tree_flatten((t.entries[i].args, t.entries[i].kwargs))[0] for t in self.tapes]
+        spec = pytree.tree_flatten((entry.args, entry.kwargs))[1]
+        merged = [self._arg([f[j] for f in flat_args], position) for j in range(len(flat_args[0]))]
+        args, kwargs = pytree.tree_unflatten(merged, spec)
+        if entry.module is not None:
+            node = self.graph.call_module(entry.module, tuple(args), kwargs)
+        else:
+            node = self.graph.call_function(entry.fn, tuple(args), kwargs)
+        if not entry.grad:
+            node.meta["no_grad"] = True
+        return node
+
+    def add_outputs(self) -> None:
+        """The graph's output: the forward's returned leaves, merged like arguments."""
+        count = len(self.first.outputs)
+        self.graph.output(
+            [self._arg([t.outputs[j] for t in self.tapes], f"output {j}") for j in range(count)]
+        )
+
+    def graph_module(self) -> fx.GraphModule:
+        """The graph as a module holding the attributes it reads and the leaf modules it calls."""
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                self.attrs[str(node.target)] = self.module.get_submodule(str(node.target))
+        buffers = {name for name, _ in self.module.named_buffers(remove_duplicate=False)}
+        gm = graph_module(self.attrs, self.graph, buffers)
+        for node in gm.graph.nodes:
+            self.leaves.setdefault(node.name, ())
+            self.stacks.setdefault(node.name, ())
+        return gm
+
+    def _arg(self, values: list[Any], position: str) -> Any:
+        """One argument, from its value in each recording: a node, a literal or an `affine` node; raises
+        `CaptureError` for a value that differs and is not an integer linear in the batch size."""
+        value = values[0]
+        if isinstance(value, _Ref):
+            return self._node_of(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            if any(v != value for v in values[1:]):
+                raise CaptureError(
+                    f"the forward passes different values ({values}) to {position} at different batch sizes"
+                )
+            return value if _literal(value) else self._object_node(value)
+        if all(v == value for v in values[1:]):
+            return value
+        scale, offset = _fit(values, position)
+        return self.graph.call_function(affine, (self.batch_node, scale, offset))
+
+    def _object_node(self, value: Any) -> fx.Node:
+        """A constant the generated code cannot spell (an enum, a callable): held as an attribute."""
+        name = f"_deeppool_object_{len(self.attrs)}"
+        self.attrs[name] = value
+        return self.graph.get_attr(name)
+
+    def _node_of(self, ref: _Ref) -> fx.Node:
+        """The node of a recorded tensor: a call's output, an input, or an attribute read once."""
+        if ref.kind == "entry":
+            return self.nodes[ref.key][ref.leaf]
+        if ref.kind == "input":
+            return self.inputs[ref.key]
+        name = ref.key if ref.kind == "attr" else f"_deeppool_constant_{ref.key}"
+        if name not in self.attr_nodes:
+            self.attrs[name] = (
+                _fetch(self.module, ref.key) if ref.kind == "attr" else self.first.consts[ref.key]
+            )
+            self.attr_nodes[name] = self.graph.get_attr(name)
+        return self.attr_nodes[name]
 
 
 def _out_leaf(graph: fx.Graph, node: fx.Node, index: int, entry: _Entry) -> fx.Node:
