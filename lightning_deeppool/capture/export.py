@@ -69,46 +69,90 @@ def _quiet() -> Iterator[None]:
 
 
 def _rewrite(program: ExportedProgram, mapping: dict[str, Any]) -> Trace:
+    """The exported program as a `Trace` of the planned module (see the module docstring)."""
     named, input_spec = input_names(mapping)
     tensor_names = [name for name, leaf in named if isinstance(leaf, torch.Tensor)]
-    placed: dict[str, str] = {}
-    old = program.graph_module.graph
     graph = fx.Graph()
-    attrs: dict[str, Any] = {}
-    buffers: set[str] = set()
-    env: dict[fx.Node, Any] = {}
     batch_node = graph.placeholder(BATCH_SIZE)
-    placeholders = {n.name: n for n in old.nodes if n.op == "placeholder"}
-    user = iter(tensor_names)
-    symbol = None
-    for spec in program.graph_signature.input_specs:
-        if not isinstance(spec.arg, TensorArgument):
-            continue  # a constant argument: export baked its value in
-        node = placeholders[spec.arg.name]
-        if spec.kind == InputKind.USER_INPUT:
-            name = next(user)
-            env[node] = graph.placeholder(name)
-            placed[name] = env[node].name
-            shape = node.meta["val"].shape
-            if shape and isinstance(shape[0], torch.SymInt):
-                symbol = shape[0].node.expr
-        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            target = (
-                spec.target if spec.kind != InputKind.CONSTANT_TENSOR else f"_deeppool_constant_{len(attrs)}"
-            )
-            attrs[target] = _state(program, spec.target)
-            if spec.kind == InputKind.BUFFER:
-                buffers.add(target)
-            env[node] = graph.get_attr(target)
-        else:
+    inputs = _Inputs(graph)
+    inputs.add_all(program, tensor_names)
+    _copy_body(program.graph_module.graph, graph, inputs.env, batch_node, inputs.symbol)
+    _add_outputs(program, graph, inputs.env)
+    gm = graph_module(inputs.attrs, graph, inputs.buffers)
+    placed, symbol = inputs.placed, inputs.symbol
+    return Trace(
+        gm=gm,
+        inputs=[placed[name] for name in tensor_names],
+        input_spec=input_spec,
+        leaf_names=[placed.get(name) if isinstance(leaf, torch.Tensor) else None for name, leaf in named],
+        constants=[None if isinstance(leaf, torch.Tensor) else leaf for _, leaf in named],
+        output_spec=program.call_spec.out_spec,
+        leaves={n.name: _leaves(n.meta.get("val"), symbol, n) for n in gm.graph.nodes},
+        stacks={n.name: _stack(n.meta.get("nn_module_stack")) for n in gm.graph.nodes},
+        tracer="export",
+    )
+
+
+class _Inputs:
+    """The exported program's inputs in `graph`: `env` maps each of its placeholders to its node there,
+    `placed` each user input's name to its placeholder's; parameters, buffers and constant tensors are
+    read from `attrs` (`buffers` names the buffers); `symbol` is the batch size's."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.env: dict[fx.Node, Any] = {}
+        self.placed: dict[str, str] = {}
+        self.attrs: dict[str, Any] = {}
+        self.buffers: set[str] = set()
+        self.symbol: Any = None
+
+    def add_all(self, program: ExportedProgram, tensor_names: list[str]) -> None:
+        """A placeholder per user tensor (named by `tensor_names`, in order), a ``get_attr`` node per
+        parameter, buffer and constant tensor; raises `CaptureError` for other inputs, or if no input
+        has a batch dimension."""
+        placeholders = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+        user = iter(tensor_names)
+        for spec in program.graph_signature.input_specs:
+            if not isinstance(spec.arg, TensorArgument):
+                continue  # a constant argument: export baked its value in
+            node = placeholders[spec.arg.name]
+            if spec.kind == InputKind.USER_INPUT:
+                self.env[node] = self._user_input(node, next(user))
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                self.env[node] = self._state_input(program, spec.kind, spec.target)
+            else:
+                raise CaptureError(
+                    f"torch.export produced an input of kind {spec.kind.name}, which deeppool cannot run"
+                )
+            self.env[node].meta = dict(node.meta)
+        if self.symbol is None:
             raise CaptureError(
-                f"torch.export produced an input of kind {spec.kind.name}, which deeppool cannot run"
+                "forward takes no tensor with a batch dimension: there is nothing to split by sample"
             )
-        env[node].meta = dict(node.meta)
-    if symbol is None:
-        raise CaptureError(
-            "forward takes no tensor with a batch dimension: there is nothing to split by sample"
-        )
+
+    def _user_input(self, node: fx.Node, name: str) -> fx.Node:
+        """The placeholder of the user's tensor `name`; its batch dimension's symbol is the batch size's."""
+        new = self.graph.placeholder(name)
+        self.placed[name] = new.name
+        shape = node.meta["val"].shape
+        if shape and isinstance(shape[0], torch.SymInt):
+            self.symbol = shape[0].node.expr
+        return new
+
+    def _state_input(self, program: ExportedProgram, kind: InputKind, target: str) -> fx.Node:
+        """A ``get_attr`` node of a parameter, buffer or constant tensor (constants numbered here)."""
+        name = target if kind != InputKind.CONSTANT_TENSOR else f"_deeppool_constant_{len(self.attrs)}"
+        self.attrs[name] = _state(program, target)
+        if kind == InputKind.BUFFER:
+            self.buffers.add(name)
+        return self.graph.get_attr(name)
+
+
+def _copy_body(
+    old: fx.Graph, graph: fx.Graph, env: dict[fx.Node, Any], batch_node: fx.Node, symbol: Any
+) -> None:
+    """Copy the exported graph's computation into `graph`, without export's runtime assertions; symbolic
+    integers become `affine` nodes of the batch size."""
     for node in old.nodes:
         if node.op in ("placeholder", "output") or node.target in _DROPPED:
             continue
@@ -118,10 +162,14 @@ def _rewrite(program: ExportedProgram, mapping: dict[str, Any]) -> Trace:
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
         env[node].meta = dict(node.meta)
-    output = next(n for n in old.nodes if n.op == "output")
-    results = list(output.args[0])
+
+
+def _add_outputs(program: ExportedProgram, graph: fx.Graph, env: dict[fx.Node, Any]) -> None:
+    """The user's outputs as `graph`'s, buffer mutations as in-place copies into the buffers; raises
+    `CaptureError` if forward writes into its arguments."""
+    output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
     user_outputs = []
-    for spec, result in zip(program.graph_signature.output_specs, results):
+    for spec, result in zip(program.graph_signature.output_specs, list(output.args[0])):
         value = env[result] if isinstance(result, fx.Node) else result
         if spec.kind == OutputKind.USER_OUTPUT:
             user_outputs.append(value)
@@ -135,18 +183,6 @@ def _rewrite(program: ExportedProgram, mapping: dict[str, Any]) -> Trace:
                 "ranks, so forward must not write into its arguments"
             )
     graph.output(user_outputs)
-    gm = graph_module(attrs, graph, buffers)
-    return Trace(
-        gm=gm,
-        inputs=[placed[name] for name in tensor_names],
-        input_spec=input_spec,
-        leaf_names=[placed.get(name) if isinstance(leaf, torch.Tensor) else None for name, leaf in named],
-        constants=[None if isinstance(leaf, torch.Tensor) else leaf for _, leaf in named],
-        output_spec=program.call_spec.out_spec,
-        leaves={n.name: _leaves(n.meta.get("val"), symbol, n) for n in gm.graph.nodes},
-        stacks={n.name: _stack(n.meta.get("nn_module_stack")) for n in gm.graph.nodes},
-        tracer="export",
-    )
 
 
 def _state(program: ExportedProgram, target: str) -> Any:
