@@ -9,7 +9,13 @@ import pytest
 
 from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
 from lightning_deeppool.ir.placement import Placement, balanced, transfers
-from lightning_deeppool.lowering.schedule import Action, Schedule, build_schedule, build_stages
+from lightning_deeppool.lowering.schedule import (
+    Action,
+    Schedule,
+    build_schedule,
+    build_stages,
+    cut_into_buckets,
+)
 
 # x -> a -> b -> add(a, b) -> c ; cat(add, c) -> head: a residual join and a concatenation.
 GRAPH = LayerGraph(
@@ -119,6 +125,14 @@ def test_a_gradient_as_large_as_a_whole_bucket_goes_alone():
     sizes = {"a.w": 1024, "b.w": 30 * megabyte, "c.w": 1024, "head.w": 1024}
     schedule = build_schedule(GRAPH, dict.fromkeys(MIXED, 2), PARAMS, sizes, 2, bucket_bytes=25 * megabyte)
     assert [b.params for b in schedule.buckets] == [("head.w", "c.w"), ("b.w",), ("a.w",)]
+
+
+def test_only_the_steps_first_bucket_closes_early():
+    # The profiler's calibration cuts a whole pass's gradients with the rule the schedule uses.
+    megabyte = 1 << 20
+    sized = [("a", megabyte // 2), ("b", megabyte // 2), ("c", megabyte), ("d", 4 * megabyte)]
+    assert cut_into_buckets(sized, 4 * megabyte, first=True) == [["a", "b"], ["c"], ["d"]]
+    assert cut_into_buckets(sized, 4 * megabyte, first=False) == [["a", "b", "c"], ["d"]]
 
 
 def test_every_action_round_trips_through_its_text():

@@ -8,15 +8,17 @@ holds or receives samples that move, `sync` when it owns the bucket's parameters
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+_Item = TypeVar("_Item")
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,7 @@ def plan_buckets(
 
     Returns the buckets and, per stage index, the buckets that can be launched after its backward.
     A parameter is final once every stage using it has run backward. Width-1 parameters need no
-    all-reduce and are left out. As in DDP, the first bucket closes once it holds `FIRST_BUCKET_BYTES`,
-    so an all-reduce starts early in backward instead of after the whole of a large stage.
+    all-reduce and are left out. Buckets are cut by `cut_into_buckets`.
     """
     first_user: dict[str, int] = {}
     for stage in stages:
@@ -194,14 +195,6 @@ def plan_buckets(
                 first_user.setdefault(param, stage.index)
     buckets: list[Bucket] = []
     ready_after: dict[int, list[int]] = {}
-
-    def close(stage: int, width: int, chunk: list[str]) -> None:
-        buckets.append(Bucket(len(buckets), width, tuple(chunk)))
-        ready_after.setdefault(stage, []).append(buckets[-1].index)
-
-    def limit() -> int:
-        return bucket_bytes if buckets else min(bucket_bytes, FIRST_BUCKET_BYTES)
-
     for stage in reversed(stages):
         # Backward meets a stage's parameters in reverse forward order: bucket them that way.
         final = [p for p, s in first_user.items() if s == stage.index and param_widths[p] > 1][::-1]
@@ -209,21 +202,39 @@ def plan_buckets(
         for param in final:
             by_width.setdefault(param_widths[param], []).append(param)
         for width in sorted(by_width):
-            chunk: list[str] = []
-            chunk_bytes = 0
-            for param in by_width[width]:
-                if param_bytes[param] >= bucket_bytes and chunk:
-                    # A parameter as large as a whole bucket goes alone: it is reduced without a copy.
-                    close(stage.index, width, chunk)
-                    chunk, chunk_bytes = [], 0
-                chunk.append(param)
-                chunk_bytes += param_bytes[param]
-                if chunk_bytes >= limit():
-                    close(stage.index, width, chunk)
-                    chunk, chunk_bytes = [], 0
-            if chunk:
-                close(stage.index, width, chunk)
+            sized = [(param, param_bytes[param]) for param in by_width[width]]
+            for chunk in cut_into_buckets(sized, bucket_bytes, first=not buckets):
+                buckets.append(Bucket(len(buckets), width, tuple(chunk)))
+                ready_after.setdefault(stage.index, []).append(buckets[-1].index)
     return buckets, ready_after
+
+
+def cut_into_buckets(
+    sized: Iterable[tuple[_Item, int]], bucket_bytes: int, *, first: bool
+) -> list[list[_Item]]:
+    """Items with their bytes, in the order backward makes them final, cut into buckets in that order.
+
+    A bucket closes once it holds `bucket_bytes`; the first of a step (`first`: none closed before
+    these items) already at `FIRST_BUCKET_BYTES`, as in DDP, so an all-reduce starts early in backward
+    instead of after the whole of a large stage. An item as large as a whole bucket goes alone: it is
+    reduced without a copy.
+    """
+    buckets: list[list[_Item]] = []
+    chunk: list[_Item] = []
+    held = 0
+    for item, size in sized:
+        if size >= bucket_bytes and chunk:
+            buckets.append(chunk)
+            chunk, held = [], 0
+        chunk.append(item)
+        held += size
+        limit = min(bucket_bytes, FIRST_BUCKET_BYTES) if first and not buckets else bucket_bytes
+        if held >= limit:
+            buckets.append(chunk)
+            chunk, held = [], 0
+    if chunk:
+        buckets.append(chunk)
+    return buckets
 
 
 def param_owner_widths(

@@ -19,7 +19,7 @@ from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
 from lightning_deeppool.ir.placement import per_device_batch
 from lightning_deeppool.ir.profile import Profile
-from lightning_deeppool.lowering.schedule import FIRST_BUCKET_BYTES
+from lightning_deeppool.lowering.schedule import cut_into_buckets
 from lightning_deeppool.profiling.cache import load_cached_profile, profile_cache_key, save_cached_profile
 from lightning_deeppool.profiling.comm import measure_comm
 from lightning_deeppool.profiling.layers import (
@@ -113,21 +113,17 @@ def _mean_over_ranks(measure: Callable[[], float]) -> float:
 
 
 def _all_reduce_in_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> None:
-    """All-reduce gradients about as the runtime does: in reverse order, in buckets that close once
-    they reach their size (the first one small), a bucket of one gradient in place; launched
-    together, then waited for. (The runtime's own buckets come from `schedule.plan_buckets`, which
-    needs a plan's stages.)"""
-    works, chunk, size = [], [], 0
-    limit = min(bucket_bytes, FIRST_BUCKET_BYTES)
-    for grad in reversed(grads):
-        chunk.append(grad)
-        size += grad.numel() * grad.element_size()
-        if size >= limit:
-            flat = chunk[0].view(-1) if len(chunk) == 1 else torch.cat([g.reshape(-1) for g in chunk])
-            works.append(dist.all_reduce(flat, async_op=True))
-            chunk, size, limit = [], 0, bucket_bytes
-    if chunk:
-        works.append(dist.all_reduce(torch.cat([g.reshape(-1) for g in chunk]), async_op=True))
+    """All-reduce gradients in buckets cut as the runtime cuts them (`schedule.cut_into_buckets`), in
+    reverse order as backward meets them, a bucket of one gradient in place; launched together, then
+    waited for."""
+    sized = [(grad, grad.numel() * grad.element_size()) for grad in reversed(grads)]
+    buckets = cut_into_buckets(sized, bucket_bytes, first=True)
+    works = [dist.all_reduce(_flat(bucket), async_op=True) for bucket in buckets]
     for work in works:
         if work is not None:
             work.wait()
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients as one flat tensor: a view of a lone one, else a concatenated copy."""
+    return grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
