@@ -1,16 +1,18 @@
-"""Installing a plan: capture, profile, plan on rank 0, and build what every rank runs.
+"""The composition root: capture -> profile -> search -> lower -> build, on every rank (collective).
 
-`Installer.install` is collective: every rank calls it at its first planned call. The resulting
-`Installation` owns the process groups, the runtime and the gradient synchronisation. Which parameters a
-rank keeps in its optimizers is settled at the first gradient synchronisation, once it is known which
-planned parameters are also used outside the planned forward (they are then reduced over every rank).
+`install` runs at the first planned call of a fit. It captures the planned module on this call's
+batch, profiles it and plans on rank 0 (unless a plan is given), lowers the plan to this rank's
+schedule and builds what runs it: process groups, messages, gradient synchronisation and the runtime
+(`InstalledPlan`). Which parameters a rank keeps in its optimizers is settled at the first gradient
+synchronisation, once it is known which planned parameters are also used outside the planned forward
+(they are then reduced over every rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +25,7 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture import CapturedGraph, capture_graph
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
 from lightning_deeppool.comm.groups import PlanGroups
-from lightning_deeppool.comm.messages import LocalLinks, spatial_messages
+from lightning_deeppool.comm.messages import GroupMessages, connect_local_links
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.lowering.schedule import Schedule, build_schedule
@@ -32,15 +34,15 @@ from lightning_deeppool.planner.search import search
 from lightning_deeppool.profiling.cache import default_cache_dir
 from lightning_deeppool.profiling.on_ranks import profile_on_ranks
 from lightning_deeppool.runtime.grad_sync import GradSync
-from lightning_deeppool.runtime.idle import IdleWindows
+from lightning_deeppool.runtime.idle import IdleWindows, ScheduleWindows
 from lightning_deeppool.runtime.runtime import BurstRuntime
 
 UNPLANNED = "<unplanned>."
 
 
-@dataclass
-class Installer:
-    """The strategy's planning options, and what planning produced (`profile`, a loaded plan)."""
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the strategy plans (its constructor's planning arguments)."""
 
     amplification_limit: float
     plan_source: str | Path | dict[str, int] | None
@@ -54,107 +56,118 @@ class Installer:
     memory_budget_bytes: float | None
     bucket_bytes: int
     shared_batch: bool = False
-    profile: Profile | None = None
 
-    def install(
-        self,
-        root: nn.Module,
-        target: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        device: torch.device,
-        optimizers: Sequence[torch.optim.Optimizer],
-        idle: IdleWindows,
-        log_dir: str | None,
-        plan: Plan | None = None,
-    ) -> Installation:
-        """Capture `target`'s forward on this call's batch, plan (unless `plan` is given: an earlier
-        fit's), and build every rank's runtime."""
-        world_size = dist.get_world_size()
-        # Before capture: a rank without samples cannot capture, and must fail with the others.
-        global_batch = _global_batch_size(args, kwargs, world_size, idle, self.shared_batch)
-        captured = on_every_rank(
-            lambda: capture_graph(
-                target, args, kwargs, leaf_modules=self.leaf_modules, granularity=self.granularity
-            )
-        )
-        _check_same_capture(captured)
-        if self.shared_batch:
-            _check_shareable(captured)
-        if plan is None:
-            plan = self._plan(
-                captured, captured.bind(args, kwargs), global_batch, device, optimizers, log_dir
-            )
-        plan.check_matches(captured.graph, world_size)
-        return Installation.build(
-            root,
-            captured,
-            plan,
-            device=device,
-            idle=idle,
-            bucket_bytes=self.bucket_bytes,
-            shared_batch=self.shared_batch,
-        )
-
-    def _plan(
-        self,
-        captured: CapturedGraph,
-        env: dict[str, Any],
-        global_batch: int,
-        device: torch.device,
-        optimizers: Sequence[torch.optim.Optimizer],
-        log_dir: str | None,
-    ) -> Plan:
-        world_size = dist.get_world_size()
-        if isinstance(self.plan_source, str | Path):
-            source = Path(self.plan_source)
-            return on_every_rank(lambda: Plan.load(source))
-        pins = self.plan_source if isinstance(self.plan_source, Mapping) else None
-        cache_dir = None if self.cache_dir is False else Path(self.cache_dir or default_cache_dir())
-        self.profile = profile_on_ranks(
-            captured,
-            env,
-            global_batch,
-            device=device,
-            optimizers=optimizers,
-            cache_dir=cache_dir,
-            warmup=self.profile_warmup,
-            repeats=self.profile_repeats,
-        )
-        # The planner costs gradient reductions in the buckets the runtime will use.
-        profile = dataclasses.replace(
-            self.profile, comm=dataclasses.replace(self.profile.comm, bucket_bytes=self.bucket_bytes)
-        )
-        plan = on_rank_zero(
-            lambda: search(
-                captured.graph,
-                profile,
-                world_size=world_size,
-                global_batch_size=global_batch,
-                amplification_limit=self.amplification_limit,
-                exempt_below_s=self.exempt_below_s,
-                pins=pins,
-                memory_budget_bytes=self.memory_budget_bytes,
-            )
-        )
-        path = self._plan_path(log_dir)
-        if dist.get_rank() == 0:
-            print(plan.table(), flush=True)
-            if path is not None:
-                plan.save(path)
-                print(f"deeppool: plan written to {path}", flush=True)
-        return plan
-
-    def _plan_path(self, log_dir: str | None) -> Path | None:
-        """`save_plan`, else the run's log directory, else nowhere."""
+    def plan_path(self, log_dir: str | None) -> Path | None:
+        """Where rank 0 writes the plan: `save_plan`, else the run's log directory, else nowhere."""
         if self.save_plan:
             return Path(self.save_plan)
         return Path(log_dir) / "deeppool_plan.json" if log_dir else None
 
 
+def install(
+    options: PlanOptions,
+    root: nn.Module,
+    target: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    device: torch.device,
+    optimizers: Sequence[torch.optim.Optimizer],
+    idle: IdleWindows,
+    log_dir: Callable[[], str | None],
+    plan: Plan | None = None,
+) -> InstalledPlan:
+    """Capture `target`'s forward on this call's batch, plan (unless `plan` is given: an earlier
+    fit's), and build this rank's part of it. `root` holds every trainable parameter; `log_dir`
+    (collective) is asked only where a new plan is saved. Collective."""
+    world_size = dist.get_world_size()
+    # Before capture: a rank without samples cannot capture, and must fail with the others.
+    global_batch = _global_batch_size(args, kwargs, world_size, idle, options.shared_batch)
+    captured = on_every_rank(
+        lambda: capture_graph(
+            target, args, kwargs, leaf_modules=options.leaf_modules, granularity=options.granularity
+        )
+    )
+    _check_same_capture(captured)
+    if options.shared_batch:
+        _check_shareable(captured)
+    profile = None
+    if plan is None and isinstance(options.plan_source, str | Path):
+        source = Path(options.plan_source)
+        plan = on_every_rank(lambda: Plan.load(source))
+    elif plan is None:
+        env = captured.bind(args, kwargs)
+        profile = _profile(options, captured, env, global_batch, device, optimizers)
+        plan = _search(options, captured, profile, global_batch)
+        _save(plan, options.plan_path(log_dir()))
+    plan.check_matches(captured.graph, world_size)
+    installed = InstalledPlan.build(
+        root,
+        captured,
+        plan,
+        device=device,
+        idle=idle,
+        bucket_bytes=options.bucket_bytes,
+        shared_batch=options.shared_batch,
+    )
+    installed.profile = profile
+    return installed
+
+
+def _profile(
+    options: PlanOptions,
+    captured: CapturedGraph,
+    env: dict[str, Any],
+    global_batch: int,
+    device: torch.device,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> Profile:
+    """The profile of this graph, batch and world (cached, else measured on every rank)."""
+    cache_dir = None if options.cache_dir is False else Path(options.cache_dir or default_cache_dir())
+    return profile_on_ranks(
+        captured,
+        env,
+        global_batch,
+        device=device,
+        optimizers=optimizers,
+        cache_dir=cache_dir,
+        warmup=options.profile_warmup,
+        repeats=options.profile_repeats,
+    )
+
+
+def _search(options: PlanOptions, captured: CapturedGraph, profile: Profile, global_batch: int) -> Plan:
+    """Rank 0's plan, on every rank; it costs gradient reductions in the runtime's buckets."""
+    bucketed = dataclasses.replace(
+        profile, comm=dataclasses.replace(profile.comm, bucket_bytes=options.bucket_bytes)
+    )
+    pins = options.plan_source if isinstance(options.plan_source, Mapping) else None
+    return on_rank_zero(
+        lambda: search(
+            captured.graph,
+            bucketed,
+            world_size=dist.get_world_size(),
+            global_batch_size=global_batch,
+            amplification_limit=options.amplification_limit,
+            exempt_below_s=options.exempt_below_s,
+            pins=pins,
+            memory_budget_bytes=options.memory_budget_bytes,
+        )
+    )
+
+
+def _save(plan: Plan, path: Path | None) -> None:
+    """Rank 0 prints the plan and writes it to `path`."""
+    if dist.get_rank() != 0:
+        return
+    print(plan.table(), flush=True)
+    if path is not None:
+        plan.save(path)
+        print(f"deeppool: plan written to {path}", flush=True)
+
+
 @dataclass
-class Installation:
+class InstalledPlan:
     """A plan installed on this rank: its groups, runtime and gradient synchronisation."""
 
     plan: Plan
@@ -165,6 +178,7 @@ class Installation:
     grad_sync: GradSync
     names: dict[int, str]  # parameter id -> name in the gradient synchronisation
     widths: dict[str, int]  # name -> how many ranks (0..w-1) hold it
+    profile: Profile | None = None  # what planned it, where it was planned in this fit
     settled: bool = False
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
 
@@ -179,7 +193,7 @@ class Installation:
         idle: IdleWindows,
         bucket_bytes: int,
         shared_batch: bool = False,
-    ) -> Installation:
+    ) -> InstalledPlan:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         used = {name for names in captured.layer_params.values() for name in names}
         params = {name: p for name, p in captured.module.named_parameters() if name in used}
@@ -201,16 +215,20 @@ class Installation:
             for name in used_by_layer:
                 uses[name] = uses.get(name, 0) + 1
         split = any(stage.placement.spatial > 1 for stage in schedule.stages)
-        messages = spatial_messages(groups.redistribution, device) if split else None
+        # Where a plan splits samples by height and the ranks share a host, every message goes on
+        # local links: gloo's point-to-point and collectives cost 1.5-3 ms each on busy CPU cores.
+        links = connect_local_links(device) if split else None
+        messages = links or GroupMessages(groups.redistribution, groups)
+        windows = ScheduleWindows(idle)
         grad_sync = GradSync(
             {**params, **unplanned},
-            groups,
+            messages,
             world_size,
             [bucket for bucket in schedule.buckets if rank < bucket.width],
             rank0_only=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
             world=list(unplanned),
             uses=uses,
-            links=messages if isinstance(messages, LocalLinks) else None,
+            waiting=windows.window,
         )
         runtime = BurstRuntime(
             captured,
@@ -218,12 +236,11 @@ class Installation:
             rank=rank,
             device=device,
             grad_sync=grad_sync,
-            idle=idle,
+            windows=windows,
             redistribution=groups.redistribution,
             messages=messages,
             shared=shared_batch,
         )
-        grad_sync.waiting = runtime.idle_window
         names = {id(p): name for name, p in {**params, **unplanned}.items()}
         return cls(plan, captured, schedule, groups, runtime, grad_sync, names, widths)
 

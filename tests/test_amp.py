@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_deeppool import DeepPoolStrategy
-from lightning_deeppool.strategy.patches import make_scaler_agree
+from lightning_deeppool.strategy.patches import patch_scaler_overflow
 
 from distributed import run_distributed
 from models import fit_one_device, max_param_diff
@@ -16,7 +16,7 @@ def _step(rank: int, overflow_on: int | None, owners: int) -> tuple[float, float
     inf gradient. Returns (weight, scale)."""
     owns_param = rank < owners
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    make_scaler_agree(scaler, torch.device("cpu"))
+    patch_scaler_overflow(scaler, torch.device("cpu"))
     param = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.5)
     if not owns_param:  # as the strategy prunes it

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_deeppool import DeepPoolStrategy
+from lightning_deeppool.comm.messages import GroupMessages
 from lightning_deeppool.lowering.schedule import Bucket
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.strategy.call_agreement import CallAgreement
@@ -85,7 +86,9 @@ def _tied_sync(once: bool) -> tuple[set[str], torch.Tensor, torch.Tensor]:
     synchronized gradient and the plain one."""
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(4, 4))
-    grad_sync = GradSync({"weight": weight}, {}, 1, [Bucket(0, 1, ("weight",))], uses={"weight": 2})
+    grad_sync = GradSync(
+        {"weight": weight}, GroupMessages(), 1, [Bucket(0, 1, ("weight",))], uses={"weight": 2}
+    )
     x = torch.randn(3, 4)
     grad_sync.arm(True, once=once)
     with grad_sync.in_stage():

@@ -53,6 +53,7 @@ def test_mixed_precision_on_one_gpu_trains_like_lightnings_ddp(precision: str):
 
 def _nccl_gradients(rank: int) -> float:
     from lightning_deeppool.comm.groups import PlanGroups
+    from lightning_deeppool.comm.messages import GroupMessages
     from lightning_deeppool.lowering.schedule import build_schedule
     from lightning_deeppool.runtime.grad_sync import GradSync
     from lightning_deeppool.runtime.runtime import BurstRuntime
@@ -71,7 +72,9 @@ def _nccl_gradients(rank: int) -> float:
     groups = PlanGroups([*schedule.param_widths.values(), 2], 2)
     buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
     rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-    grad_sync = GradSync(params, groups, 2, buckets, rank0_only=rank0_only)
+    grad_sync = GradSync(
+        params, GroupMessages(groups.redistribution, groups), 2, buckets, rank0_only=rank0_only
+    )
     runtime = BurstRuntime(
         captured, schedule, rank=rank, device=torch.device("cuda", rank), grad_sync=grad_sync
     )

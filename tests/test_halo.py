@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from lightning_deeppool.ir.placement import Transfer
 from lightning_deeppool.ir.rows import (
     Boundary,
     OwnRows,
+    RowMove,
     Slab,
     Window,
     halo_moves,
@@ -22,6 +22,7 @@ from lightning_deeppool.ir.rows import (
 from lightning_deeppool.spatial.batch_norm import split_batch_norm
 from lightning_deeppool.spatial.halo import Kernel, windowed
 from lightning_deeppool.spatial.layer import Convolution, MaxPooling
+from lightning_deeppool.spatial.part import SpatialPart
 
 from distributed import run_distributed
 
@@ -53,10 +54,10 @@ def test_a_three_by_three_convolution_needs_one_row_from_each_neighbour() -> Non
         Slab(6, 10, 0, 1),
     ]
     assert halo_moves(THREE, 10, 3) == [
-        Transfer(0, 1, 3, 1),
-        Transfer(1, 0, 4, 1),
-        Transfer(1, 2, 6, 1),
-        Transfer(2, 1, 7, 1),
+        RowMove(0, 1, 3, 1),
+        RowMove(1, 0, 4, 1),
+        RowMove(1, 2, 6, 1),
+        RowMove(2, 1, 7, 1),
     ]
 
 
@@ -64,7 +65,7 @@ def test_a_stride_two_convolution_reads_only_the_rows_its_outputs_need() -> None
     # 11 rows -> 6 outputs, 3 per part; part 1's outputs 3..5 read rows 5..11 (11 is padding).
     window = Window(kernel=3, stride=2, padding=1)
     assert slab(window, 11, 2, 1) == Slab(5, 11, 0, 1)
-    assert halo_moves(window, 11, 2) == [Transfer(0, 1, 5, 1)]
+    assert halo_moves(window, 11, 2) == [RowMove(0, 1, 5, 1)]
 
 
 def test_a_pointwise_operation_moves_nothing() -> None:
@@ -142,7 +143,7 @@ def _split_conv(
     start, out_start = sum(rows[:rank]), sum(out_rows[:rank])
     local = x.detach()[:, :, start : start + rows[rank]].requires_grad_()
     params = () if pool else (weight, None)
-    out = windowed(local, kernel, params, dim=2, size=height, ranks=range(world), index=rank)
+    out = windowed(local, kernel, params, dim=2, size=height, part=SpatialPart(tuple(range(world)), rank))
     expected = full.detach()[:, :, out_start : out_start + out_rows[rank]]
     (out * weighting[:, :, out_start : out_start + out_rows[rank]]).sum().backward()
     grad_w = weight.grad if weight.grad is not None else torch.zeros_like(weight)
@@ -210,8 +211,7 @@ def _split_batch_norm(rank: int, height: int) -> tuple[float, float, float, floa
         eps=1e-5,
         dim=2,
         size=height,
-        ranks=range(world),
-        index=rank,
+        part=SpatialPart(tuple(range(world)), rank),
     )
     (out * weighting[:, :, start : start + rows[rank]]).sum().backward()
     params = torch.cat([weight.grad, bias.grad])  # type: ignore[list-item]

@@ -10,7 +10,7 @@ from lightning_deeppool.comm.messages import (
     GroupMessages,
     LocalLinks,
     Messages,
-    spatial_messages,
+    connect_local_links,
     sum_over,
 )
 from lightning_deeppool.runtime.shared_batch import gather_batch
@@ -98,14 +98,15 @@ def test_a_message_of_another_length_than_its_buffer_is_refused_by_the_receiver(
 
 
 def _chosen(rank: int) -> tuple[str, str]:
-    on_cpu = spatial_messages(None, torch.device("cpu"))
-    on_cuda = spatial_messages(None, torch.device("cuda"))
-    on_cpu.close()
+    on_cpu = connect_local_links(torch.device("cpu"))
+    on_cuda = connect_local_links(torch.device("cuda"))
+    if on_cpu is not None:
+        on_cpu.close()
     return type(on_cpu).__name__, type(on_cuda).__name__
 
 
 def test_cpu_ranks_of_one_host_under_gloo_exchange_over_local_links() -> None:
-    assert run_distributed(_chosen, 2) == [("LocalLinks", "GroupMessages")] * 2
+    assert run_distributed(_chosen, 2) == [("LocalLinks", "NoneType")] * 2
 
 
 def _peer_gone(rank: int) -> str:
@@ -148,13 +149,12 @@ def test_a_message_that_does_not_come_within_the_timeout_raises_naming_the_rank(
 
 def _gathered(rank: int, over_links: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A shared batch of 3 rows held as 2, 1, 0 by ranks 0-2: the whole batch and this rank's grad."""
-    links = LocalLinks.connect() if over_links else None
+    messages = LocalLinks.connect() if over_links else GroupMessages()
     rows = (2, 1, 0)
     local = (torch.arange(rows[rank] * 4, dtype=torch.float32).reshape(-1, 4) + 10 * rank).requires_grad_()
-    whole = gather_batch(local, rows, rank, links=links)
+    whole = gather_batch(local, rows, messages)
     (whole * torch.arange(12.0).reshape(3, 4) * (rank + 1)).sum().backward()
-    if links is not None:
-        links.close()
+    messages.close()
     assert local.grad is not None
     return whole.detach(), local.grad
 

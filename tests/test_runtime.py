@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.comm.groups import PlanGroups
+from lightning_deeppool.comm.messages import GroupMessages
 from lightning_deeppool.lowering.schedule import build_schedule
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.runtime import BurstRuntime
@@ -60,7 +61,9 @@ def _errors(rank: int, world: int) -> dict[str, dict[str, float]]:
         groups = PlanGroups(schedule.param_widths.values(), world)
         buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
         rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-        grad_sync = GradSync(params, groups, world, buckets, rank0_only=rank0_only)
+        grad_sync = GradSync(
+            params, GroupMessages(groups.redistribution, groups), world, buckets, rank0_only=rank0_only
+        )
         runtime = BurstRuntime(captured, schedule, rank=rank, device=torch.device("cpu"), grad_sync=grad_sync)
         out = runtime.forward(x[mine])
         # A rank's loss is its share of the global mean: gradients are divided by the world size.

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_deeppool.capture import capture_graph
-from lightning_deeppool.spatial.layer import SpatialPart, run_layer_split
+from lightning_deeppool.spatial.layer import run_layer_split
+from lightning_deeppool.spatial.part import SpatialPart
 
 from distributed import run_distributed
 

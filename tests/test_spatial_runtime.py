@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.comm.groups import PlanGroups
-from lightning_deeppool.comm.messages import LocalLinks
+from lightning_deeppool.comm.messages import GroupMessages, LocalLinks
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.lowering.schedule import build_schedule
 from lightning_deeppool.runtime.grad_sync import GradSync
@@ -85,7 +85,9 @@ def _errors(
     groups = PlanGroups(schedule.param_widths.values(), world)
     buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
     rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-    grad_sync = GradSync(params, groups, world, buckets, rank0_only=rank0_only)
+    grad_sync = GradSync(
+        params, GroupMessages(groups.redistribution, groups), world, buckets, rank0_only=rank0_only
+    )
     runtime = BurstRuntime(
         captured,
         schedule,

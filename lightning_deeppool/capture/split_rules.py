@@ -20,10 +20,9 @@ from torch.fx.operator_schemas import normalize_function
 
 from lightning_deeppool.capture.graph import LayerCode
 from lightning_deeppool.capture.trace import Leaf, Trace
-from lightning_deeppool.ir.rows import Window
+from lightning_deeppool.ir.rows import SPLIT_DIM, Window
 
 aten = torch.ops.aten
-SPLIT_DIM = 2  # the first spatial dimension: the length of (N, C, L), the height of (N, C, H, W), ...
 
 # Elementwise on their tensor arguments: a part's rows give the part's rows of the result.
 POINTWISE = {

@@ -1,10 +1,11 @@
-"""Point-to-point messages between ranks, for the small exchanges of spatially split layers.
+"""How ranks reach each other: point-to-point messages and the few collectives built on them.
 
-`GroupMessages` posts them with `torch.distributed` (any backend). `LocalLinks` sends CPU tensors
-between processes of one host over Unix sockets, written and read by the calling thread: gloo's
-point-to-point messages go through a thread of its own in each process, which on busy CPU cores
-waits for one, and posting a message then blocks (measured on 2 cores: 2 ms at the 90th percentile,
-up to 8 ms). `spatial_messages` picks one for a run.
+Two transports implement `Messages`. `GroupMessages` posts with `torch.distributed` (any backend) and
+sums and gathers with its collectives. `LocalLinks` sends CPU tensors between processes of one host
+over Unix sockets, written and read by the calling thread: gloo's point-to-point messages go through a
+thread of its own in each process, which on busy CPU cores waits for one, and posting a message then
+blocks (measured on 2 cores: 2 ms at the 90th percentile, up to 8 ms); its sums and gathers are
+exchanges of messages. `connect_local_links` says whether a run has links. Callers see only `Messages`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,10 +33,24 @@ class Posted(Protocol):
         """Block until every posted message is sent and received."""
 
 
+Waiting = Callable[[], AbstractContextManager[None]]
+
+
 class Messages(Protocol):
     def post(self, outgoing: Mapping[int, torch.Tensor], incoming: Mapping[int, torch.Tensor]) -> Posted:
         """Send each `outgoing` tensor to its global rank and receive each `incoming` buffer from
         its global rank. Peers post matching calls in the same order; tensors must outlive `wait`."""
+
+    def sum(self, flat: torch.Tensor, ranks: range, waiting: Waiting = nullcontext) -> Posted | None:
+        """Start replacing `flat` by the sum of every rank's `flat` over `ranks` (0..w-1); None when
+        the sum is complete on return, where any wait it made ran inside `waiting()`."""
+
+    def all_gather(self, mine: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Every rank's rows of dimension 0 (`rows[r]` from rank r, every rank of the world),
+        concatenated in rank order, on every rank."""
+
+    def reduce_scatter(self, whole: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """This rank's rows (as `all_gather` lays them out) of the sum of every rank's `whole`."""
 
     def close(self) -> None:
         """Release what the messages travel on."""
@@ -42,9 +58,11 @@ class Messages(Protocol):
 
 @dataclass(frozen=True)
 class GroupMessages:
-    """Messages posted with `torch.distributed` over `group` (default: the world)."""
+    """Messages and gathers over `group` (default: the world) with `torch.distributed`; sums over
+    ranks 0..w-1 on `sums[w]` (the default group where none was built)."""
 
     group: dist.ProcessGroup | None = None
+    sums: Mapping[int, dist.ProcessGroup] = field(default_factory=dict)
 
     def post(self, outgoing: Mapping[int, torch.Tensor], incoming: Mapping[int, torch.Tensor]) -> Posted:
         sends = [
@@ -55,8 +73,26 @@ class GroupMessages:
         ops = [op for _, op in sorted([*sends, *recvs], key=lambda pair: pair[0])]
         return _Works(list(dist.batch_isend_irecv(ops)) if ops else [], ops)
 
+    def sum(self, flat: torch.Tensor, ranks: range, waiting: Waiting = nullcontext) -> Posted | None:
+        """An asynchronous all-reduce: its launch does not wait."""
+        if ranks.start != 0 or ranks.step != 1:
+            raise ValueError(f"sums run over ranks 0..w-1, not {list(ranks)}")
+        return dist.all_reduce(flat, group=self.sums.get(len(ranks)), async_op=True)
+
+    def all_gather(self, mine: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        padded = mine.new_zeros((max(rows), *mine.shape[1:]))
+        padded[: mine.shape[0]] = mine
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
+    def reduce_scatter(self, whole: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        total = whole.contiguous().clone()
+        dist.all_reduce(total, group=self.group)
+        return total.narrow(0, sum(rows[: dist.get_rank()]), rows[dist.get_rank()])
+
     def close(self) -> None:
-        """Nothing: the group is its creator's to destroy."""
+        """Nothing: the groups are their creator's to destroy."""
 
 
 WORLD = GroupMessages()  # over the default group
@@ -76,8 +112,9 @@ class LocalLinks:
     """A Unix socket between every two ranks of one host; messages carry their length, which the
     receiver checks against its buffer. Build with `connect` (collective), end with `close`."""
 
-    def __init__(self, sockets: Mapping[int, socket.socket], timeout_s: float) -> None:
+    def __init__(self, sockets: Mapping[int, socket.socket], rank: int, timeout_s: float) -> None:
         self.sockets = dict(sockets)
+        self.rank = rank
         self.timeout_s = timeout_s
 
     @classmethod
@@ -106,12 +143,32 @@ class LocalLinks:
             link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER_BYTES)
             link.setblocking(False)
         dist.barrier()
-        return cls(sockets, timeout_s)
+        return cls(sockets, rank, timeout_s)
 
     def post(self, outgoing: Mapping[int, torch.Tensor], incoming: Mapping[int, torch.Tensor]) -> Posted:
         transfer = _Transfer(self, outgoing, incoming)
         transfer.progress()  # most sends fit the socket's buffer: they leave now
         return transfer
+
+    def sum(self, flat: torch.Tensor, ranks: range, waiting: Waiting = nullcontext) -> Posted | None:
+        """Exchanged and added in rank order at once (`sum_over`): a posted sum on the links would
+        interleave with the step's other messages."""
+        with waiting():
+            sum_over(self, flat, ranks, self.rank)
+        return None
+
+    def all_gather(self, mine: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        others = {r: mine.new_empty((n, *mine.shape[1:])) for r, n in enumerate(rows) if r != self.rank}
+        self.post(dict.fromkeys(others, mine), others).wait()
+        return torch.cat([others.get(r, mine) for r in range(len(rows))])
+
+    def reduce_scatter(self, whole: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Each rank's rows go to it alone, and it adds what it receives to its own."""
+        starts = [sum(rows[:r]) for r in range(len(rows))]
+        mine = whole.narrow(0, starts[self.rank], rows[self.rank])
+        theirs = {r: mine.new_empty(mine.shape) for r in range(len(rows)) if r != self.rank}
+        self.post({r: whole.narrow(0, starts[r], rows[r]) for r in theirs}, theirs).wait()
+        return mine + sum(theirs.values())
 
     def close(self) -> None:
         for link in self.sockets.values():
@@ -239,15 +296,23 @@ def sum_over(messages: Messages, flat: torch.Tensor, ranks: Sequence[int], rank:
         flat.copy_(total)
 
 
-def spatial_messages(group: dist.ProcessGroup | None, device: torch.device) -> Messages:
-    """`LocalLinks` for CPU tensors under gloo when every rank runs on this host (Linux), else
-    `GroupMessages` over `group`. Collective."""
+def gather_over(messages: Messages, mine: torch.Tensor, ranks: Sequence[int], index: int) -> torch.Tensor:
+    """Every rank's `mine` (the same shape on each), stacked in the order of `ranks`, of which this
+    rank is `index`, by messages: for a few small tensors, cheaper than a collective on gloo."""
+    others = {i: torch.empty_like(mine) for i in range(len(ranks)) if i != index}
+    messages.post({ranks[i]: mine for i in others}, {ranks[i]: t for i, t in others.items()}).wait()
+    return torch.stack([others.get(i, mine) for i in range(len(ranks))])
+
+
+def connect_local_links(device: torch.device) -> LocalLinks | None:
+    """`LocalLinks` between every two ranks when all run on the CPU of this host under gloo (Linux),
+    else None (messages then go by `GroupMessages`). Collective."""
     host = [None] * dist.get_world_size()
     dist.all_gather_object(host, socket.gethostname())
-    local = (
+    one_cpu_host = (
         device.type == "cpu"
         and dist.get_backend() == "gloo"
         and sys.platform.startswith("linux")
         and len(set(host)) == 1
     )
-    return LocalLinks.connect() if local else GroupMessages(group)
+    return LocalLinks.connect() if one_cpu_host else None

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_deeppool.ir.placement import Transfer, balanced, offsets
+from lightning_deeppool.ir.placement import balanced, offsets
+
+SPLIT_DIM = 2  # the split dimension: the first spatial one of (N, C, L), (N, C, H, W), (N, C, D, H, W)
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,18 @@ def slab(window: Window, size: int, parts: int, index: int) -> Slab:
     return Slab(max(first, 0), min(end, size), max(0, -first), max(0, end - size))
 
 
-def halo_moves(window: Window, size: int, parts: int) -> list[Transfer]:
-    """Input rows that move between parts so each has its slab: `Transfer(src, dst, start, rows)`
-    with `start` a row of the sample, sorted by (src, dst). Rows a part holds itself do not move."""
+class RowMove(NamedTuple):
+    """`rows` rows of a sample, from row `start` on, move from part `src` to part `dst`."""
+
+    src: int
+    dst: int
+    start: int
+    rows: int
+
+
+def halo_moves(window: Window, size: int, parts: int) -> list[RowMove]:
+    """Input rows that move between parts so each has its slab, sorted by (src, dst). Rows a part
+    holds itself do not move."""
     counts = row_parts(size, parts)
     starts = offsets(counts)
     moves = []
@@ -98,7 +109,7 @@ def halo_moves(window: Window, size: int, parts: int) -> list[Transfer]:
             need = slab(window, size, parts, dst)
             lo, hi = max(starts[src], need.start), min(starts[src] + counts[src], need.stop)
             if src != dst and hi > lo:
-                moves.append(Transfer(src, dst, lo, hi - lo))
+                moves.append(RowMove(src, dst, lo, hi - lo))
     return moves
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_deeppool.comm.messages import GroupMessages, Messages, spatial_messages
+from lightning_deeppool.comm.messages import GroupMessages, Messages, connect_local_links
 from lightning_deeppool.ir.profile import AlphaBeta, CommProfile
 
 
@@ -56,16 +56,17 @@ def measure_comm(
         if group is not None:
             dist.destroy_process_group(group)
     redistribute = halo = None
-    # Spatial layers may exchange on links of their own (`spatial_messages`): they get a model of them.
-    spatial = spatial_messages(None, device)
+    # Spatial layers may exchange on links of their own: they get a model of them.
+    links = connect_local_links(device)
     if rank < 2:
         fitted = _fit(sizes_bytes, _ping_pong(rank), repeats, device, scale=0.5)
         loaded = _between_computations(rank, device, GroupMessages(), repeats=max(repeats, 8))
         redistribute = AlphaBeta(max(fitted.latency_s, loaded), fitted.seconds_per_byte)
-        if not isinstance(spatial, GroupMessages):
-            loaded = _between_computations(rank, device, spatial, repeats=max(repeats, 8))
+        if links is not None:
+            loaded = _between_computations(rank, device, links, repeats=max(repeats, 8))
             halo = AlphaBeta(loaded, fitted.seconds_per_byte)
-    spatial.close()
+    if links is not None:
+        links.close()
     result: list[Any] = [None]
     if redistribute is not None:  # rank 0 always measures it; the other ranks take rank 0's result
         result = [

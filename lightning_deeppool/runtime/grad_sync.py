@@ -11,9 +11,10 @@ received nothing keeps ``grad is None``, as on one device. Which parameters are 
 every owner: they run the same layers on the same graph.
 
 During the final backward pass of a step the schedule's buckets are launched as soon as their gradients
-are final, so the all-reduce overlaps the rest of the backward, always in bucket order. Where the ranks
-have local links (`messages.LocalLinks`), a bucket is summed over them when it launches instead: on busy
-CPU cores, launching gloo's asynchronous all-reduce alone blocked for 2 ms.
+are final, so the all-reduce overlaps the rest of the backward, always in bucket order. How a bucket is
+summed is the messages' choice (`comm.messages`): an asynchronous all-reduce over the bucket's group,
+or, over local links, an exchange at launch (on busy CPU cores, launching gloo's asynchronous
+all-reduce alone blocked for 2 ms).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_deeppool.comm.messages import LocalLinks, sum_over
+from lightning_deeppool.comm.messages import Messages, Posted
 from lightning_deeppool.lowering.schedule import Bucket
 
 
@@ -39,7 +40,7 @@ class GradSync:
     def __init__(
         self,
         params: Mapping[str, nn.Parameter],
-        groups: Mapping[int, dist.ProcessGroup],
+        messages: Messages,
         world_size: int,
         buckets: Sequence[Bucket],
         *,
@@ -47,11 +48,9 @@ class GradSync:
         world: Sequence[str] = (),
         uses: Mapping[str, int] | None = None,
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
-        links: LocalLinks | None = None,
     ) -> None:
         self.params = params
-        self.links = links
-        self.groups = groups
+        self.messages = messages
         self.world_size = world_size
         self._assign(
             [Bucket(b.index, b.width, tuple(b.params)) for b in buckets], list(rank0_only), list(world)
@@ -68,7 +67,7 @@ class GradSync:
         self._once = False
         self._missing: list[int] = []
         self._next = 0
-        self._pending: list[tuple[dist.Work | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
+        self._pending: list[tuple[Posted | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
         self._hooks: dict[str, list[Any]] = {}
         self.track_new_parameters()
 
@@ -200,12 +199,7 @@ class GradSync:
         # costs as much as the all-reduce itself.
         flat = grads[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in grads])
         flat.div_(self.world_size)
-        work = None
-        if width > 1 and self.links is not None:
-            with self.waiting():
-                sum_over(self.links, flat, range(width), dist.get_rank())
-        elif width > 1:
-            work = dist.all_reduce(flat, group=self._group(width), async_op=True)
+        work = self.messages.sum(flat, range(width), self.waiting) if width > 1 else None
         self._fresh.difference_update(names)
         self._in_flight.update(names)
         self._pending.append((work, flat, parts))
@@ -220,9 +214,6 @@ class GradSync:
             p.grad.sub_(aside).div_(self.world_size).add_(aside)
         self._fresh.discard(name)
         self._reduced.add(name)
-
-    def _group(self, width: int) -> dist.ProcessGroup | None:
-        return self.groups.get(width)
 
     def _finish(self) -> None:
         for work, flat, parts in self._pending:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 # Recent lengths kept per key; their median is the expected length. A piece starts only if it is
 # expected to end inside the window, so a window that ends early is overrun by at most that piece
@@ -91,3 +91,22 @@ class IdleWindows:
 
     def _remaining(self) -> float:
         return self.expected_s(self._key) - (time.perf_counter() - self._opened_at)
+
+
+class ScheduleWindows:
+    """Idle windows keyed by their place in a schedule: the action running and which of its waits
+    this is, a key that recurs every step."""
+
+    def __init__(self, idle: IdleWindows | None = None) -> None:
+        self.idle = idle or IdleWindows()
+        self.action: Hashable = None
+        self._waits = 0
+
+    def enter(self, action: Hashable) -> None:
+        """The schedule runs `action` now."""
+        self.action, self._waits = action, 0
+
+    def window(self) -> AbstractContextManager[None]:
+        """The next wait of the current action, as an idle window."""
+        self._waits += 1
+        return self.idle.window((self.action, self._waits))

@@ -10,8 +10,7 @@ import torch
 
 from lightning_deeppool.comm.messages import WORLD, Messages
 from lightning_deeppool.ir.placement import Block, Layout, pieces
-
-ROWS = 2  # the split dimension of a samples-first image batch (N, C, H, W)
+from lightning_deeppool.ir.rows import SPLIT_DIM
 
 
 def redistribute(
@@ -30,18 +29,18 @@ def redistribute(
 
     Every rank whose samples move must call it with the same layouts; the others may skip it.
     `tensor` is None on ranks that hold nothing under `src`; ranks that hold nothing under `dst`
-    get None back. When either layout splits rows, they are dimension `ROWS` of the tensor and
-    ``sample_shape[ROWS - 1]`` of the whole sample. The pieces travel by `messages` (peers are
+    get None back. When either layout splits rows, they are dimension `SPLIT_DIM` of the tensor and
+    ``sample_shape[SPLIT_DIM - 1]`` of the whole sample. The pieces travel by `messages` (peers are
     global ranks); the wait for them runs inside `waiting()` (an idle window).
     """
     split = src.spatial > 1 or dst.spatial > 1
-    size = sample_shape[ROWS - 1] if split else 1
+    size = sample_shape[SPLIT_DIM - 1] if split else 1
     mine, wanted = src.block(rank, size), dst.block(rank, size)
     out = None
     if wanted.samples:
         shape = (wanted.samples, *sample_shape)
         if split:
-            shape = (*shape[:ROWS], wanted.rows, *shape[ROWS + 1 :])
+            shape = (*shape[:SPLIT_DIM], wanted.rows, *shape[SPLIT_DIM + 1 :])
         out = torch.empty(shape, dtype=dtype, device=device)
     if tensor is not None and out is not None:
         kept = mine.overlap(wanted)
@@ -72,7 +71,7 @@ def block_of_whole(
     """This rank's part under layout `dst` of a batch every rank holds whole (a shared batch), as a
     copy: no messages. None when it holds nothing there."""
     split = dst.spatial > 1
-    size = sample_shape[ROWS - 1] if split else 1
+    size = sample_shape[SPLIT_DIM - 1] if split else 1
     wanted = dst.block(rank, size)
     if not wanted.samples:
         return None
@@ -83,4 +82,4 @@ def block_of_whole(
 def _region(tensor: torch.Tensor, held: Block, part: Block, split: bool) -> torch.Tensor:
     """The view of `part` in `tensor`, which holds `held`."""
     view = tensor.narrow(0, part.start - held.start, part.samples)
-    return view.narrow(ROWS, part.row_start - held.row_start, part.rows) if split else view
+    return view.narrow(SPLIT_DIM, part.row_start - held.row_start, part.rows) if split else view

@@ -10,7 +10,6 @@ code before the planned module).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,15 +20,17 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture import CapturedGraph, ValueMeta
 from lightning_deeppool.capture.graph import preserved, value_meta
 from lightning_deeppool.capture.values import LeafMeta, rows_view, samples_view
-from lightning_deeppool.comm.messages import GroupMessages, LocalLinks, Messages
+from lightning_deeppool.comm.messages import GroupMessages, Messages
 from lightning_deeppool.ir.placement import Layout, Placement
+from lightning_deeppool.ir.rows import SPLIT_DIM
 from lightning_deeppool.lowering.schedule import Action, Schedule, Stage
 from lightning_deeppool.runtime.call import Call, Row, check, prepare
 from lightning_deeppool.runtime.grad_sync import GradSync
-from lightning_deeppool.runtime.idle import IdleWindows
-from lightning_deeppool.runtime.redistribute import ROWS, block_of_whole, redistribute
+from lightning_deeppool.runtime.idle import ScheduleWindows
+from lightning_deeppool.runtime.redistribute import block_of_whole, redistribute
 from lightning_deeppool.runtime.shared_batch import gather_batch, keep_share
-from lightning_deeppool.spatial.layer import SpatialPart, run_layer_split
+from lightning_deeppool.spatial.layer import run_layer_split
+from lightning_deeppool.spatial.part import SpatialPart
 
 Key = tuple[str, Placement]
 
@@ -74,7 +75,7 @@ class BurstRuntime:
         rank: int,
         device: torch.device,
         grad_sync: GradSync,
-        idle: IdleWindows | None = None,
+        windows: ScheduleWindows | None = None,
         redistribution: dist.ProcessGroup | None = None,
         messages: Messages | None = None,
         shared: bool = False,
@@ -85,19 +86,15 @@ class BurstRuntime:
         self.world_size = schedule.world_size
         self.device = device
         self.grad_sync = grad_sync
-        self.idle = idle or IdleWindows()
+        self.windows = windows or ScheduleWindows()
         self.redistribution = redistribution
-        # Point-to-point moves and the spatial layers' exchanges; where they go over local links, a
-        # shared batch's outputs do too (gloo's collectives cost 1.5-3 ms each on busy CPU cores).
+        # Point-to-point moves, the spatial layers' exchanges and a shared batch's gathers.
         self.messages = messages or GroupMessages(redistribution)
-        self._links = messages if isinstance(messages, LocalLinks) else None
         self.home = Placement(self.world_size)
         self.shared = shared
-        self.last_action: Action | None = None
         self.keep_last_step = False
         self.last_step: _CallState | None = None
         self._last_pass = False
-        self._windows_in_action = 0
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
         self._captured_samples = [
             (meta.leaves[0].shape, meta.leaves[0].dtype)
@@ -127,7 +124,7 @@ class BurstRuntime:
         """Every rank's row of the same call, by an all-gather (collective)."""
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        with self.idle.window("agree_on_batch"):
+        with self.windows.idle.window("agree_on_batch"):
             dist.all_gather(gathered, mine, group=self.redistribution)
         return [tuple(int(x) for x in t.tolist()) for t in gathered]
 
@@ -170,17 +167,16 @@ class BurstRuntime:
             meta[layer.name] = value_meta(values[layer.name], known.per_rank, rows)
         return meta
 
+    @property
+    def last_action(self) -> Action | None:
+        """The action running, or the last one run."""
+        return self.windows.action  # type: ignore[return-value]
+
     def _run(self, step: _CallState, actions: Sequence[Action]) -> None:
         for action in actions:
-            self.last_action = action
-            self._windows_in_action = 0
+            self.windows.enter(action)
             with torch.profiler.record_function(f"deeppool:{action}"):
                 self._handlers[action.kind](step, action)
-
-    def idle_window(self) -> AbstractContextManager[None]:
-        """An idle window keyed by its place in the schedule, which recurs every step."""
-        self._windows_in_action += 1
-        return self.idle.window((self.last_action, self._windows_in_action))
 
     def _forward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
@@ -205,7 +201,9 @@ class BurstRuntime:
         sizes = {}
         for value in stage.inputs:
             nodes = self.captured.code[value].outputs if value in self.captured.code else (value,)
-            sizes.update({node: leaf.shape[ROWS - 1] for node, leaf in zip(nodes, step.meta[value].leaves)})
+            sizes.update(
+                {node: leaf.shape[SPLIT_DIM - 1] for node, leaf in zip(nodes, step.meta[value].leaves)}
+            )
         for layer in stage.layers:
             values[layer], split = run_layer_split(
                 self.captured, layer, values, samples, step.scalars, part, sizes
@@ -269,7 +267,7 @@ class BurstRuntime:
                 sample_shape=leaf.shape,
                 dtype=leaf.dtype,
                 device=self.device,
-                waiting=self.idle_window,
+                waiting=self.windows.window,
                 messages=self.messages,
             )
             moved.append(rows_view(result, leaf) if result is not None else None)
@@ -293,7 +291,7 @@ class BurstRuntime:
         def whole(t: torch.Tensor) -> torch.Tensor:
             rows = next(leaves).rows
             counts = tuple(c * rows for c in step.counts)
-            return gather_batch(t, counts, self.rank, self.redistribution, self._links)
+            return gather_batch(t, counts, self.messages)
 
         return pytree.tree_unflatten([whole(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
@@ -434,8 +432,8 @@ def _held_shape(leaf: LeafMeta, layout: Layout, rank: int) -> tuple[int, ...]:
     shape = leaf.tensor_shape(layout.samples(rank))
     if layout.spatial == 1:
         return shape
-    rows = layout.block(rank, leaf.shape[ROWS - 1]).rows
-    return (*shape[:ROWS], rows, *shape[ROWS + 1 :])
+    rows = layout.block(rank, leaf.shape[SPLIT_DIM - 1]).rows
+    return (*shape[:SPLIT_DIM], rows, *shape[SPLIT_DIM + 1 :])
 
 
 def _accumulate(step: _CallState, key: Key, index: int, grad: torch.Tensor, count: int) -> None:

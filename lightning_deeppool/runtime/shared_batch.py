@@ -4,12 +4,11 @@ each rank computes one device's loss. This is how a batch smaller than the devic
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lightning_deeppool.comm.messages import LocalLinks
+from lightning_deeppool.comm.messages import Messages
 from lightning_deeppool.ir.placement import balanced, offsets
 
 
@@ -49,60 +48,21 @@ def _bytes_summary(raw: torch.Tensor) -> int:
     return int(sums.mul(positions).sum())
 
 
-def gather_batch(
-    local: torch.Tensor,
-    rows: tuple[int, ...],
-    rank: int,
-    group: dist.ProcessGroup | None = None,
-    links: LocalLinks | None = None,
-) -> torch.Tensor:
+def gather_batch(mine: torch.Tensor, rows: tuple[int, ...], messages: Messages) -> torch.Tensor:
     """Every rank's `rows[r]` rows of dimension 0, concatenated in rank order, on every rank, by
-    collectives over `group` or point-to-point over `links`. Differentiable: each rank's gradient is
-    the sum of every rank's gradient for its rows (every rank computed its loss from the whole
-    batch)."""
-    shares = _Shares(rows, rank, group, links)
-    if local.is_floating_point() and local.requires_grad:
-        return _Gather.apply(local, shares)
-    return _gather(local, shares)
-
-
-class _Shares(NamedTuple):
-    """Who holds which rows of a shared batch, and how the ranks reach each other."""
-
-    rows: tuple[int, ...]
-    rank: int
-    group: dist.ProcessGroup | None
-    links: LocalLinks | None
-
-
-def _gather(local: torch.Tensor, shares: _Shares) -> torch.Tensor:
-    rows, rank = shares.rows, shares.rank
-    if shares.links is not None:
-        others = {r: local.new_empty((n, *local.shape[1:])) for r, n in enumerate(rows) if r != rank}
-        shares.links.post(dict.fromkeys(others, local), others).wait()
-        return torch.cat([others.get(r, local) for r in range(len(rows))])
-    padded = local.new_zeros((max(rows), *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(parts, padded, group=shares.group)
-    return torch.cat([part[:n] for part, n in zip(parts, rows)])
+    `messages`. Differentiable: each rank's gradient is the sum of every rank's gradient for its rows
+    (every rank computed its loss from the whole batch)."""
+    if mine.is_floating_point() and mine.requires_grad:
+        return _Gather.apply(mine, rows, messages)
+    return messages.all_gather(mine, rows)
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, shares: _Shares) -> torch.Tensor:  # type: ignore[override]
-        ctx.shares = shares
-        return _gather(local.detach(), shares)
+    def forward(ctx: Any, mine: torch.Tensor, rows: tuple[int, ...], messages: Messages) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows, ctx.messages = rows, messages
+        return messages.all_gather(mine.detach(), rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        shares: _Shares = ctx.shares
-        rows, rank, starts = shares.rows, shares.rank, offsets(shares.rows)
-        if shares.links is None:
-            total = grad.contiguous().clone()
-            dist.all_reduce(total, group=shares.group)
-            return total.narrow(0, starts[rank], rows[rank]), None
-        mine = grad.narrow(0, starts[rank], rows[rank])
-        theirs = {r: mine.new_empty(mine.shape) for r in range(len(rows)) if r != rank}
-        shares.links.post({r: grad.narrow(0, starts[r], rows[r]) for r in theirs}, theirs).wait()
-        return mine + sum(theirs.values()), None
+        return ctx.messages.reduce_scatter(grad, ctx.rows), None, None

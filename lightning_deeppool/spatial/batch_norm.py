@@ -4,18 +4,16 @@ normalizes with the statistics one device would compute over the whole samples."
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from lightning_deeppool.comm.messages import WORLD, Messages
-from lightning_deeppool.spatial.halo import gather_parts
+from lightning_deeppool.spatial.part import SpatialPart
 
 
 def split_batch_norm(
-    local: torch.Tensor,
+    mine: torch.Tensor,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -26,21 +24,18 @@ def split_batch_norm(
     eps: float,
     dim: int,
     size: int,
-    ranks: Sequence[int],
-    index: int,
-    messages: Messages = WORLD,
+    part: SpatialPart,
 ) -> torch.Tensor:
-    """`F.batch_norm` for `local`, this part's rows of samples whose dimension `dim` (of `size` rows
-    in all) is split over the parts on global `ranks`, this one part `index` (channels at dimension 1);
-    the parts exchange statistics by `messages`. In training, mean and
-    variance come from every part (all-reduced) and the running statistics are updated with them as
-    one device would; in evaluation the running statistics are used as they are. Saves only its input
-    for backward, as the native BatchNorm does."""
+    """`F.batch_norm` for `mine`, `part`'s rows of samples whose dimension `dim` (of `size` rows in
+    all) is split over the parts (channels at dimension 1). In training, mean and variance come from
+    every part (exchanged) and the running statistics are updated with them as one device would; in
+    evaluation the running statistics are used as they are. Saves only its input for backward, as
+    the native BatchNorm does."""
     if not training:
-        return F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps)
+        return F.batch_norm(mine, running_mean, running_var, weight, bias, False, momentum, eps)
     # Values per channel over every part: known from the shapes, so no collective counts them.
-    total = float(size * math.prod(n for i, n in enumerate(local.shape) if i not in (1, dim)))
-    out, mean, var = _SplitNorm.apply(local, weight, bias, total, eps, _Parts(tuple(ranks), index, messages))
+    total = float(size * math.prod(n for i, n in enumerate(mine.shape) if i not in (1, dim)))
+    out, mean, var = _SplitNorm.apply(mine, weight, bias, total, eps, part)
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
@@ -49,18 +44,7 @@ def split_batch_norm(
     return out
 
 
-class _Parts(NamedTuple):
-    """The parts of a spatial group: their global ranks, this one's index, how they exchange."""
-
-    ranks: tuple[int, ...]
-    part: int
-    messages: Messages
-
-    def gather(self, mine: torch.Tensor) -> torch.Tensor:
-        return gather_parts(mine, self.ranks, self.part, self.messages)
-
-
-def _statistics(x: torch.Tensor, total: float, parts: _Parts) -> tuple[torch.Tensor, torch.Tensor]:
+def _statistics(x: torch.Tensor, total: float, part: SpatialPart) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel, the mean and (biased) variance over every part's values: each part's own, combined
     exactly (Chan et al.'s pairwise formula, no cancellation) after one exchange."""
     dims, values = [0, *range(2, x.dim())], x.numel() / x.shape[1]
@@ -69,7 +53,7 @@ def _statistics(x: torch.Tensor, total: float, parts: _Parts) -> tuple[torch.Ten
     exact = torch.promote_types(x.dtype, torch.float32)
     mean = x.sum(dims, dtype=exact) / values
     var = torch.sub(x, mean.view(1, -1, *([1] * (x.dim() - 2)))).square_().sum(dims) / values
-    counts, means, variances = parts.gather(torch.stack([torch.full_like(mean, values), mean, var])).unbind(1)
+    counts, means, variances = part.gather(torch.stack([torch.full_like(mean, values), mean, var])).unbind(1)
     overall = (counts * means).sum(0) / total
     return overall, (counts * (variances + (means - overall).square())).sum(0) / total
 
@@ -87,12 +71,12 @@ class _SplitNorm(torch.autograd.Function):
         bias: torch.Tensor | None,
         total: float,
         eps: float,
-        parts: _Parts,
+        part: SpatialPart,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mean, var = _statistics(x, total, parts)
+        mean, var = _statistics(x, total, part)
         out = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
         ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps))
-        ctx.total, ctx.eps, ctx.parts = total, eps, parts
+        ctx.total, ctx.eps, ctx.part = total, eps, part
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
 
@@ -103,11 +87,11 @@ class _SplitNorm(torch.autograd.Function):
             grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps, [True, True, True]
         )
         # The kernel subtracts the part's means of grad and grad * normalized; every part's are due.
-        local = x.numel() / x.shape[1]
-        summed, summed_normalized = ctx.parts.gather(torch.stack([grad_bias, grad_weight])).sum(0)
+        values = x.numel() / x.shape[1]
+        summed, summed_normalized = ctx.part.gather(torch.stack([grad_bias, grad_weight])).sum(0)
         scale = invstd if weight is None else invstd * weight
-        per_value = scale * (grad_bias / local - summed / ctx.total)
-        per_normalized = scale * invstd * (grad_weight / local - summed_normalized / ctx.total)
+        per_value = scale * (grad_bias / values - summed / ctx.total)
+        per_normalized = scale * invstd * (grad_weight / values - summed_normalized / ctx.total)
         shape = [1, -1, *([1] * (x.dim() - 2))]
         # normalized = (x - mean) * invstd: add per_normalized * x and the rest per channel.
         grad_x.addcmul_(x, per_normalized.view(shape)).add_((per_value - per_normalized * mean).view(shape))

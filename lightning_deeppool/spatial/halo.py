@@ -11,8 +11,7 @@ padded run gives it whole) and the parameters' (the padded run's, plus what the 
 Any other operation (or a geometry the padding cannot align) copies its own rows into the slab its
 output rows read while the messages fly, and runs once on the whole slab; its backward sends each halo
 row's gradient back after computing the slab's. No slab is kept for backward: a part stores no more
-than one device would for its rows. (A `Transfer` here moves `samples` rows of one sample, not
-samples.)"""
+than one device would for its rows."""
 
 from __future__ import annotations
 
@@ -21,18 +20,18 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from lightning_deeppool.comm.messages import WORLD, Messages, Posted
-from lightning_deeppool.ir.placement import Transfer
+from lightning_deeppool.comm.messages import Posted
 from lightning_deeppool.ir.rows import (
     Boundary,
     OwnRows,
+    RowMove,
     Slab,
     Window,
     halo_moves,
     own_rows,
-    part_rows,
     slab,
 )
+from lightning_deeppool.spatial.part import SpatialPart
 
 Params = tuple[torch.Tensor | None, ...]
 
@@ -90,19 +89,17 @@ class _Geometry(NamedTuple):
     start: int  # this part's rows [start, stop)
     stop: int
     need: Slab  # the rows its output rows read
-    moves: list[Transfer]
-    ranks: tuple[int, ...]
-    part: int  # this part's index
-    messages: Messages
+    moves: list[RowMove]
+    part: SpatialPart
     own_rows: OwnRows | None  # how a padded kernel runs on the own rows first (None: on the slab)
 
     @property
-    def incoming(self) -> list[Transfer]:
-        return sorted((m for m in self.moves if m.dst == self.part), key=lambda m: m.start)
+    def incoming(self) -> list[RowMove]:
+        return sorted((m for m in self.moves if m.dst == self.part.index), key=lambda m: m.start)
 
     @property
-    def outgoing(self) -> list[Transfer]:
-        return [m for m in self.moves if m.src == self.part]
+    def outgoing(self) -> list[RowMove]:
+        return [m for m in self.moves if m.src == self.part.index]
 
     def own(self) -> tuple[int, int]:
         """The rows of its own the part's slab holds."""
@@ -114,26 +111,17 @@ class _Geometry(NamedTuple):
 
 
 def windowed(
-    mine: torch.Tensor,
-    kernel: Kernel,
-    params: Params,
-    *,
-    dim: int,
-    size: int,
-    ranks: Sequence[int],
-    index: int,
-    messages: Messages = WORLD,
+    mine: torch.Tensor, kernel: Kernel, params: Params, *, dim: int, size: int, part: SpatialPart
 ) -> torch.Tensor:
-    """`kernel` over the whole sample, for the output rows part `index` holds along `dim`. `mine`
-    holds this part's rows of a dimension of `size` rows split over the global `ranks`, which
-    exchange halos by `messages`. Every part of `ranks` must call it with the same arguments but
-    `mine` and `index`. Differentiable in `mine` and `params`."""
-    parts = len(ranks)
-    start, stop = part_rows(size, parts, index)
+    """`kernel` over the whole sample, for the output rows `part` holds along `dim`. `mine` holds the
+    part's rows of a dimension of `size` rows. Every part of the group must call it with the same
+    arguments but `mine` and `part.index`. Differentiable in `mine` and `params`."""
+    parts, index = part.parts, part.index
+    start, stop = part.rows(size)
     need = slab(kernel.window, size, parts, index)
     moves = halo_moves(kernel.window, size, parts)
     first = own_rows(kernel.window, size, parts, index) if isinstance(kernel, PaddedKernel) else None
-    geometry = _Geometry(dim, start, stop, need, moves, tuple(ranks), index, messages, first)
+    geometry = _Geometry(dim, start, stop, need, moves, part, first)
     function = _Windowed if first is None else _OwnRowsFirst
     return function.apply(mine, kernel, geometry, *params)
 
@@ -162,7 +150,7 @@ class _Windowed(torch.autograd.Function):
             shape = torch.Size(_shape(mine, dim, need.rows))
             grad_slab = kernel.input_grad(grad, shape, params, ctx.saved).to(mine.dtype)
             returned = {
-                m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.samples)
+                m.src: grad_slab.narrow(dim, need.before + m.start - need.start, m.rows)
                 for m in geometry.incoming
             }
             exchange = _return_halo_grads(returned, mine, geometry)
@@ -246,10 +234,10 @@ class _OwnRowsFirst(torch.autograd.Function):
 def _exchange_halo(mine: torch.Tensor, geometry: _Geometry) -> tuple[list[torch.Tensor], Posted]:
     """Post the rows the neighbours need and the buffers for the halo rows they send."""
     dim = geometry.dim
-    received = [mine.new_empty(_shape(mine, dim, m.samples)) for m in geometry.incoming]
-    outgoing = {m.dst: mine.narrow(dim, m.start - geometry.start, m.samples) for m in geometry.outgoing}
+    received = [mine.new_empty(_shape(mine, dim, m.rows)) for m in geometry.incoming]
+    outgoing = {m.dst: mine.narrow(dim, m.start - geometry.start, m.rows) for m in geometry.outgoing}
     incoming = {m.src: t for m, t in zip(geometry.incoming, received)}
-    return received, _post(outgoing, incoming, geometry)
+    return received, geometry.part.post(outgoing, incoming)
 
 
 def _return_halo_grads(
@@ -257,8 +245,8 @@ def _return_halo_grads(
 ) -> tuple[dict[int, torch.Tensor], Posted]:
     """Post the halo rows' gradients to the parts that hold those rows, and the buffers for the
     gradients of the own rows the neighbours read."""
-    arriving = {m.dst: mine.new_empty(_shape(mine, geometry.dim, m.samples)) for m in geometry.outgoing}
-    return arriving, _post(returned, arriving, geometry)
+    arriving = {m.dst: mine.new_empty(_shape(mine, geometry.dim, m.rows)) for m in geometry.outgoing}
+    return arriving, geometry.part.post(returned, arriving)
 
 
 def _grad_local(
@@ -279,7 +267,7 @@ def _grad_local(
         grad_local.narrow(dim, start - geometry.start, grad_own.shape[dim]).copy_(grad_own)
     pending.wait()
     for move in geometry.outgoing:
-        grad_local.narrow(dim, move.start - geometry.start, move.samples).add_(arriving[move.dst])
+        grad_local.narrow(dim, move.start - geometry.start, move.rows).add_(arriving[move.dst])
     return grad_local
 
 
@@ -342,13 +330,13 @@ def _boundary_slab(
 
 
 def _halo_grad(
-    slab_grads: Sequence[torch.Tensor], boundaries: Sequence[Boundary], move: Transfer, dim: int
+    slab_grads: Sequence[torch.Tensor], boundaries: Sequence[Boundary], move: RowMove, dim: int
 ) -> torch.Tensor:
     """The gradient of a halo move's rows: the sum of every boundary slab's gradient for them (rows
     between a strided kernel's windows get none)."""
-    total = slab_grads[0].new_zeros(_shape(slab_grads[0], dim, move.samples))
+    total = slab_grads[0].new_zeros(_shape(slab_grads[0], dim, move.rows))
     for boundary, slab_grad in zip(boundaries, slab_grads):
-        lo, hi = max(move.start, boundary.start), min(move.start + move.samples, boundary.stop)
+        lo, hi = max(move.start, boundary.start), min(move.start + move.rows, boundary.stop)
         if hi > lo:
             total.narrow(dim, lo - move.start, hi - lo).add_(
                 slab_grad.narrow(dim, lo - boundary.start, hi - lo)
@@ -382,26 +370,8 @@ def _assemble(
     if pending is not None:
         pending.wait()
     for move, rows in zip(geometry.incoming, received):
-        out.narrow(dim, need.before + move.start - need.start, move.samples).copy_(rows)
+        out.narrow(dim, need.before + move.start - need.start, move.rows).copy_(rows)
     return out
-
-
-def gather_parts(mine: torch.Tensor, ranks: Sequence[int], index: int, messages: Messages) -> torch.Tensor:
-    """Every part's `mine` (same shape everywhere), stacked in part order, by point-to-point messages:
-    for the few small tensors of a spatial group, cheaper than a collective on gloo."""
-    others = {part: torch.empty_like(mine) for part in range(len(ranks)) if part != index}
-    messages.post({ranks[p]: mine for p in others}, {ranks[p]: t for p, t in others.items()}).wait()
-    return torch.stack([others.get(part, mine) for part in range(len(ranks))])
-
-
-def _post(
-    outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], geometry: _Geometry
-) -> Posted:
-    """Send each `outgoing` tensor to its part and receive each `incoming` buffer from its part."""
-    ranks = geometry.ranks
-    return geometry.messages.post(
-        {ranks[p]: t for p, t in outgoing.items()}, {ranks[p]: t for p, t in incoming.items()}
-    )
 
 
 def _shape(like: torch.Tensor, dim: int, rows: int) -> tuple[int, ...]:

@@ -24,45 +24,17 @@ from lightning_deeppool.capture.split_rules import (
     CONCATENATION,
     CONVOLUTIONS,
     MAX_POOLINGS,
-    SPLIT_DIM,
     arguments,
     pair,
     refusal,
     window,
 )
-from lightning_deeppool.comm.messages import WORLD, Messages
-from lightning_deeppool.ir.rows import Window, part_rows
+from lightning_deeppool.ir.rows import SPLIT_DIM, Window
 from lightning_deeppool.spatial.batch_norm import split_batch_norm
-from lightning_deeppool.spatial.halo import Kernel, Params, windowed
+from lightning_deeppool.spatial.halo import Params, windowed
+from lightning_deeppool.spatial.part import SpatialPart
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class SpatialPart:
-    """This rank's part of samples split by height over the global `ranks` (in part order); halos
-    and statistics move by `messages`."""
-
-    ranks: tuple[int, ...]
-    index: int
-    messages: Messages = WORLD
-
-    def rows(self, size: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of a dimension of `size` rows this part holds."""
-        return part_rows(size, len(self.ranks), self.index)
-
-    def windowed(self, value: torch.Tensor, size: int, kernel: Kernel, params: Params) -> torch.Tensor:
-        """`kernel` for this part's output rows (`halo.windowed`)."""
-        return windowed(
-            value,
-            kernel,
-            params,
-            dim=SPLIT_DIM,
-            size=size,
-            ranks=self.ranks,
-            index=self.index,
-            messages=self.messages,
-        )
 
 
 def run_layer_split(
@@ -109,7 +81,8 @@ def _convolution(target: Any, a: Mapping[str, Any], part: SpatialPart, size: int
     rows = window(aten.conv2d.default, a, a["weight"].shape[SPLIT_DIM])
     padding = [0, *pair(a["padding"], a["weight"].dim() - 2)[1:]]
     kernel = Convolution(target, rows, list(a["stride"]), padding, list(a["dilation"]), a["groups"])
-    return part.windowed(a["input"], size, kernel, (a["weight"], a["bias"])), rows.output_size(size)
+    out = windowed(a["input"], kernel, (a["weight"], a["bias"]), dim=SPLIT_DIM, size=size, part=part)
+    return out, rows.output_size(size)
 
 
 def _max_pooling(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any, int]:
@@ -119,7 +92,7 @@ def _max_pooling(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[An
     stride = pair(a["stride"], dims) if len(a["stride"]) else kernel_size
     padding = [0, *pair(a["padding"], dims)[1:]]
     kernel = MaxPooling(rows, kernel_size, stride, padding, pair(a["dilation"], dims), a["ceil_mode"])
-    return part.windowed(a["input"], size, kernel, ()), rows.output_size(size)
+    return windowed(a["input"], kernel, (), dim=SPLIT_DIM, size=size, part=part), rows.output_size(size)
 
 
 @dataclass(frozen=True)
@@ -277,9 +250,7 @@ def _batch_norm(a: Mapping[str, Any], part: SpatialPart, size: int) -> tuple[Any
         eps=a["eps"],
         dim=SPLIT_DIM,
         size=size,
-        ranks=part.ranks,
-        index=part.index,
-        messages=part.messages,
+        part=part,
     )
     return out, size
 

@@ -21,26 +21,29 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_deeppool.install import Installation, Installer
+from lightning_deeppool.install import PlanOptions
 from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
 from lightning_deeppool.strategy.call_agreement import CallAgreement
 from lightning_deeppool.strategy.forward_calls import ForwardCalls
-from lightning_deeppool.strategy.patches import make_scaler_agree
-from lightning_deeppool.strategy.step_times import StepTimes, summary
-
-# The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
-_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+from lightning_deeppool.strategy.patches import (
+    clip_by_global_norm,
+    default_store,
+    optimizers_to_device,
+    patch_scaler_overflow,
+    sync_module_states,
+    wait_between_steps_in_window,
+)
+from lightning_deeppool.strategy.session import Fit, PlanSession
+from lightning_deeppool.strategy.step_times import summary
 
 PlanSource = str | Path | Mapping[str, int] | None
 
@@ -113,7 +116,7 @@ class DeepPoolStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.installer = Installer(
+        options = PlanOptions(
             amplification_limit=float(amplification_limit),
             plan_source=dict(plan) if isinstance(plan, Mapping) else plan,
             save_plan=save_plan,
@@ -129,13 +132,11 @@ class DeepPoolStrategy(DDPStrategy):
         )
         self.module_name = module
         self.idle_windows = IdleWindows()
-        self.plan: Plan | None = None
-        self.installation: Installation | None = None
+        self.session = PlanSession(options, self.idle_windows)
         self._calls: ForwardCalls | None = None
         self._sync_gradients = True
         self._failed = False
-        self._between_steps_loop: Any = None
-        self.step_times = StepTimes()
+        self._restore_between_steps: Callable[[], None] | None = None
         self.measured_step_time_s: float | None = None
         self.measured_work_time_s: float | None = None  # the plan's part of it (see `report`)
 
@@ -143,14 +144,19 @@ class DeepPoolStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """With a shared batch every rank reads all the data, in the same order."""
-        if self.installer.shared_batch:
+        if self.session.options.shared_batch:
             return {"num_replicas": 1, "rank": 0}
         return super().distributed_sampler_kwargs
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan installed in this fit, or the last fit's (None before the first planned call)."""
+        return self.session.plan
+
+    @property
     def profile(self) -> Profile | None:
         """The profile the plan was made from (None when the plan was given)."""
-        return self.installer.profile
+        return self.session.profile
 
     @classmethod
     @override
@@ -179,25 +185,36 @@ class DeepPoolStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # The DDP wrapper would broadcast rank 0's weights; without it we do.
-        _sync_module_states(self.model)
+        sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self._calls = ForwardCalls(self, self._planned_module(), self._agreement())
-        self._agree_on_clipping()
-        self._wait_between_steps_in_window(trainer)
+            optimizers_to_device(self.optimizers, self.root_device)
+        assert self.lightning_module is not None
+        self.session.begin_fit(
+            Fit(
+                self.lightning_module,
+                self.root_device,
+                self.global_rank,
+                lambda: self.optimizers,
+                self._log_dir,
+            )
+        )
+        self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
+        clip_by_global_norm(self.precision_plugin, self._global_norm)
+        self._restore_between_steps = wait_between_steps_in_window(
+            trainer.fit_loop.epoch_loop, self.idle_windows
+        )
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
-            make_scaler_agree(scaler, self.root_device)
+            patch_scaler_overflow(scaler, self.root_device)
 
     def _agreement(self) -> CallAgreement | None:
         if self.world_size < 2:
             return None
         prefix = self.broadcast(f"deeppool/{uuid.uuid4().hex}")
-        store = dist.distributed_c10d._get_default_store()
-        return CallAgreement(store, prefix, self.global_rank, self.world_size)
+        return CallAgreement(default_store(), prefix, self.global_rank, self.world_size)
 
     @override
     def on_validation_start(self) -> None:
@@ -207,18 +224,20 @@ class DeepPoolStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.step_times.mark()
+        self.session.step_times.mark()
 
     @override
     def on_train_end(self) -> None:
         self._refresh_parameters()
-        if self.installation is None:
+        installed = self.session.installed
+        if installed is None:
             return
-        self.measured_step_time_s = self.step_times.median_s()
-        self.measured_work_time_s = self.step_times.median_work_s()
+        step_times = self.session.step_times
+        self.measured_step_time_s = step_times.median_s()
+        self.measured_work_time_s = step_times.median_work_s()
         if self.global_rank == 0:
-            plan = self.installation.plan
-            steps = len(self.step_times.seconds)
+            plan = installed.plan
+            steps = len(step_times.seconds)
             print(
                 summary(
                     self.measured_step_time_s, self.measured_work_time_s, plan.predicted_step_time_s, steps
@@ -228,7 +247,7 @@ class DeepPoolStrategy(DDPStrategy):
     def _refresh_parameters(self) -> None:
         if self._calls is not None and self._calls.stale_anywhere:
             assert self.lightning_module is not None
-            _sync_module_states(self.lightning_module)
+            sync_module_states(self.lightning_module)
             self._calls.refreshed()
 
     @override
@@ -240,10 +259,10 @@ class DeepPoolStrategy(DDPStrategy):
         if self._calls is not None:
             self._calls.close()
             self._calls = None
-        if self.installation is not None:
-            self.installation.close()
-            self.installation = None
-        self._restore_wait_between_steps()
+        self.session.end_fit()
+        if self._restore_between_steps is not None:
+            self._restore_between_steps()
+            self._restore_between_steps = None
         super().teardown()
         if self._start_method != "popen" and connected:
             # The worker process ends next; a live gloo group can abort it at exit.
@@ -253,7 +272,7 @@ class DeepPoolStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Say where in the burst schedule a failure (a collective timeout, say) happened."""
         self._failed = True
-        runtime = self.installation.runtime if self.installation is not None else None
+        runtime = self.session.installed.runtime if self.session.installed is not None else None
         action = runtime.last_action if runtime is not None else None
         if action is not None and hasattr(exception, "add_note"):
             exception.add_note(
@@ -273,7 +292,7 @@ class DeepPoolStrategy(DDPStrategy):
         """Backward, then synchronize the gradients it produced (unless accumulating)."""
         if self._calls is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with self.step_times.backward(), self._blocked():
+        with self.session.step_times.backward(), self._blocked():
             with self._calls.backward(last=self._sync_gradients):
                 loss = super().backward(closure_loss, optimizer, *args, **kwargs)
             if self._sync_gradients:
@@ -301,7 +320,7 @@ class DeepPoolStrategy(DDPStrategy):
         calls = self._calls
 
         def closure_then_sync() -> Any:
-            with self.step_times.outside_work():  # training_step: its planned calls count themselves
+            with self.session.step_times.outside_work():  # training_step: its planned calls count themselves
                 result = closure()
             if calls is not None:
                 calls.check_installed()
@@ -309,7 +328,7 @@ class DeepPoolStrategy(DDPStrategy):
                     calls.sync_gradients(optimizer)
             return result
 
-        with self.step_times.work():
+        with self.session.step_times.work():
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         if calls is not None:
             calls.after_optimizer_step()
@@ -361,64 +380,17 @@ class DeepPoolStrategy(DDPStrategy):
                 f"submodule; its children are {names}"
             ) from None
 
-    def install(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Installation:
-        """Capture, plan and install on every rank (collective): the first planned call's work."""
-        assert self.lightning_module is not None
-        self.installation = self.installer.install(
-            self.lightning_module,
-            target,
-            args,
-            kwargs,
-            device=self.root_device,
-            optimizers=self.optimizers,
-            idle=self.idle_windows,
-            log_dir=self._log_dir(),
-            plan=self.plan,
-        )
-        self.plan = self.installation.plan
-        self.step_times.restart()
-        return self.installation
-
     def _log_dir(self) -> str | None:
         """The run's log directory (collective: `trainer.log_dir` broadcasts)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return trainer.log_dir if trainer is not None else None
 
-    # --------------------------------------------------------------------------- idle windows
-    def _wait_between_steps_in_window(self, trainer: pl.Trainer) -> None:
-        """Lightning's training loop broadcasts rank 0's SIGTERM flag before every step; a rank that
-        finished its part of the step early waits there for rank 0, idle like any wait in the plan."""
-        loop = trainer.fit_loop.epoch_loop
-        broadcast = getattr(loop, _SIGTERM_BROADCAST, None)
-        if broadcast is None:
-            return
-        windows = self.idle_windows
-
-        def broadcast_in_window() -> None:
-            with windows.window("between_steps"):
-                broadcast()
-
-        setattr(loop, _SIGTERM_BROADCAST, broadcast_in_window)
-        self._between_steps_loop = loop
-
-    def _restore_wait_between_steps(self) -> None:
-        loop, self._between_steps_loop = self._between_steps_loop, None
-        if loop is not None and _SIGTERM_BROADCAST in vars(loop):
-            delattr(loop, _SIGTERM_BROADCAST)
-
     # ------------------------------------------------------------------------------ clipping
-    def _agree_on_clipping(self) -> None:
-        """Clip by the global norm: rank 0 holds every gradient, so its norm is the global one."""
-        plugin = self.precision_plugin
-        main_params: Callable[[Any], Any] = plugin.main_params
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            grads = [p for p in main_params(optimizer) if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.zeros(())
-            norm = norm.to(self.root_device, torch.float32)
-            if self.installation is not None:
-                with self.idle_windows.window("clip_norm"):
-                    dist.broadcast(norm, src=0)
-            torch.nn.utils.clip_grads_with_norm_(grads, clip_val, norm)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm to clip by: rank 0 holds every gradient, so its norm is the global one."""
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = norm.to(self.root_device, torch.float32)
+        if self.session.installed is not None:
+            with self.idle_windows.window("clip_norm"):
+                dist.broadcast(norm, src=0)
+        return norm

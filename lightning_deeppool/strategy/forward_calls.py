@@ -15,29 +15,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.comm.fail_together import on_rank_zero
+from lightning_deeppool.install import InstalledPlan
 from lightning_deeppool.runtime.call import Call, Row
 from lightning_deeppool.runtime.verify import first_difference
 from lightning_deeppool.strategy.call_agreement import CallAgreement, call_site
-
-if TYPE_CHECKING:
-    from lightning_deeppool.install import Installation
-    from lightning_deeppool.strategy.deeppool import DeepPoolStrategy
+from lightning_deeppool.strategy.patches import own_forward, replace_forward, restore_forward
+from lightning_deeppool.strategy.session import PlanSession
 
 
 class ForwardCalls:
     """Replaces `target.forward` on this rank (see the module docstring) until `close`."""
 
-    def __init__(
-        self, strategy: DeepPoolStrategy, target: nn.Module, agreement: CallAgreement | None
-    ) -> None:
-        self.strategy = strategy
+    def __init__(self, session: PlanSession, target: nn.Module, agreement: CallAgreement | None) -> None:
+        self.session = session
         self.target = target
         self.agreement = agreement
         self.in_training_step = False
@@ -45,29 +42,28 @@ class ForwardCalls:
         self.stale_anywhere = False  # some rank's are: a refresh is due (the same on every rank)
         self._pending = 0  # planned calls with gradients since the last backward
         self._verified = False
-        self._original = type(target).forward.__get__(target)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self(args, kwargs)
 
-        target.forward = forward  # type: ignore[method-assign]
+        self._original = replace_forward(target, forward)
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.in_training_step:
             return self._unplanned(args, kwargs)
-        installation = self.strategy.installation
+        installation = self.session.installed
         if installation is not None and installation.data_parallel:
-            with self.strategy.step_times.work():
+            with self.session.step_times.work():
                 installation.grad_sync.track_new_parameters()
                 outputs = self._original(*args, **kwargs)
             if torch.is_grad_enabled():
                 self._pending += 1
             return self._timed_backward(outputs)
         if self.agreement is None:  # a rank alone (one device): every call of its training step is planned
-            with self.strategy.step_times.work():
+            with self.session.step_times.work():
                 return self._timed_backward(self._planned(args, kwargs))
         # Once installed, a call's rows travel with the agreement: no collective before it runs.
-        with self.strategy.step_times.work():
+        with self.session.step_times.work():
             call = installation.runtime.prepare(args, kwargs) if installation is not None else None
             rows = self.agreement.agree(call_site(), call.row if call is not None else ())
             if rows is not None:
@@ -77,7 +73,7 @@ class ForwardCalls:
     def _timed_backward(self, outputs: Any) -> Any:
         """The backward's work starts where the gradients reach these outputs (`StepTimes.backward`)."""
         if torch.is_grad_enabled():
-            reached = self.strategy.step_times.outputs_reached
+            reached = self.session.step_times.outputs_reached
             for t in pytree.tree_leaves(outputs):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda _: reached())
@@ -86,7 +82,7 @@ class ForwardCalls:
     @property
     def meeting(self) -> CallAgreement | None:
         """The agreement this step's calls meet in: none alone, or under a data-parallel plan."""
-        installation = self.strategy.installation
+        installation = self.session.installed
         return None if installation is not None and installation.data_parallel else self.agreement
 
     @contextmanager
@@ -110,10 +106,10 @@ class ForwardCalls:
         call: Call | None = None,
         rows: Sequence[Row] = (),
     ) -> Any:
-        installation = self.strategy.installation
+        installation = self.session.installed
         if installation is None:
-            with self._unwrapped():
-                installation = self.strategy.install(self.target, args, kwargs)
+            with own_forward(self.target):
+                installation = self.session.install(self.target, args, kwargs)
         runtime = installation.runtime
         runtime.keep_last_step = not self._verified
         outputs = runtime.forward(*args, **kwargs) if call is None else runtime.run(call, rows)
@@ -124,7 +120,7 @@ class ForwardCalls:
             self._verify(installation, args, kwargs)
         return outputs
 
-    def _verify(self, installation: Installation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _verify(self, installation: InstalledPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Once, on the first planned call: rank 0 compares every layer with one device's values."""
         step = installation.runtime.last_step
         installation.runtime.last_step = None
@@ -134,8 +130,8 @@ class ForwardCalls:
             raise RuntimeError(f"deeppool: the installed plan does not reproduce the model: {message}")
 
     def _unplanned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        installation = self.strategy.installation
-        rank = self.strategy.global_rank
+        installation = self.session.installed
+        rank = self.session.fit.rank
         if installation is None or installation.owns_everything(rank):
             return self._original(*args, **kwargs)
         if self.stale:
@@ -157,21 +153,11 @@ class ForwardCalls:
         )
         return _guard_backward(outputs, message)
 
-    @contextmanager
-    def _unwrapped(self) -> Iterator[None]:
-        """The module's own forward, for capture (which calls the module)."""
-        wrapper = self.target.forward
-        del self.target.forward
-        try:
-            yield
-        finally:
-            self.target.forward = wrapper  # type: ignore[method-assign]
-
     # ----------------------------------------------------------------------------- the step
     def check_installed(self) -> None:
         """A training step that never ran the planned forward installed no plan: its gradients were
         not synchronized. Every rank ran the same step, so every rank raises here."""
-        if self.strategy.installation is not None or self.agreement is None:
+        if self.session.installed is not None or self.agreement is None:
             return
         raise RuntimeError(
             f"deeppool: the training step did not call {type(self.target).__name__}.forward, so no plan was "
@@ -184,7 +170,7 @@ class ForwardCalls:
     def backward(self, last: bool) -> Iterator[None]:
         """A backward pass of the step. Buckets may launch during it only if it is the step's last and
         has one pass."""
-        installation = self.strategy.installation
+        installation = self.session.installed
         armed = installation is not None and last and self._pending == 1 and installation.settled
         self._pending = 0
         if installation is None:
@@ -198,24 +184,21 @@ class ForwardCalls:
             yield
 
     def sync_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        installation = self.strategy.installation
-        if installation is not None:
-            installation.sync(self.strategy.optimizers, optimizer)
+        self.session.sync(optimizer)
 
     def after_optimizer_step(self) -> None:
-        installation = self.strategy.installation
+        installation = self.session.installed
         if installation is not None and not all(
             w == installation.plan.world_size for w in installation.widths.values()
         ):
             self.stale_anywhere = True
-            self.stale = not installation.owns_everything(self.strategy.global_rank)
+            self.stale = not installation.owns_everything(self.session.fit.rank)
 
     def refreshed(self) -> None:
         self.stale = self.stale_anywhere = False
 
     def close(self) -> None:
-        if "forward" in vars(self.target):
-            del self.target.forward
+        restore_forward(self.target)
 
 
 class _NoBackward(torch.autograd.Function):

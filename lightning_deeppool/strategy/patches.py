@@ -1,18 +1,45 @@
-"""`16-mixed` under a burst plan: every rank must agree whether this step's gradients overflowed.
+"""Every place the strategy patches another library's objects or uses its private code.
 
-Each rank's GradScaler only sees the gradients it owns, so ranks could disagree on skipping a step
-and on the next loss scale. A rank that owns nothing would even fail (`No inf checks were recorded
-for this optimizer`). After every `unscale_`, the ranks take the max of their verdicts.
+Each is tested in `tests/test_patches.py` against the installed torch and Lightning, so an upgrade that
+changes one fails there, not in a training run:
 
-This reads `GradScaler._per_optimizer_states`, a private structure; it is isolated here and tested.
+- `patch_scaler_overflow`: `16-mixed` under a burst plan needs every rank to agree whether a step's
+  gradients overflowed. Each rank's GradScaler only sees the gradients it owns, so ranks could
+  disagree on skipping a step and on the next loss scale (a rank that owns nothing would even fail:
+  `No inf checks were recorded for this optimizer`). Reads `GradScaler._per_optimizer_states`.
+- `wait_between_steps_in_window`: Lightning's training loop broadcasts rank 0's SIGTERM flag before
+  every step (`_broadcast_sigterm_tensor`, private); a rank that finished its part of the step early
+  waits there, idle like any wait in the plan.
+- `clip_by_global_norm`: replaces the precision plugin's `clip_grad_by_norm` on the instance.
+- `replace_forward`: the planned module's `forward` replaced on the instance.
+- `default_store`, `sync_module_states`, `optimizers_to_device`: private functions of torch and
+  Lightning the strategy calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from torch import nn
+
+from lightning_deeppool.runtime.idle import IdleWindows
+
+sync_module_states = _sync_module_states  # rank 0's parameters and buffers to every rank (collective)
+optimizers_to_device = _optimizers_to_device
+
+# The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+
+def default_store() -> dist.Store:
+    """The default process group's key-value store."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def agree_on_overflow(
@@ -32,7 +59,7 @@ def agree_on_overflow(
         value.fill_(flag.item())
 
 
-def make_scaler_agree(scaler: torch.amp.GradScaler, device: torch.device) -> None:
+def patch_scaler_overflow(scaler: torch.amp.GradScaler, device: torch.device) -> None:
     """Wrap `scaler.unscale_` (which `scaler.step` also calls) so every rank agrees afterwards."""
     unscale = scaler.unscale_
 
@@ -41,3 +68,59 @@ def make_scaler_agree(scaler: torch.amp.GradScaler, device: torch.device) -> Non
         agree_on_overflow(scaler, optimizer, device)
 
     scaler.unscale_ = unscale_  # type: ignore[method-assign]
+
+
+def wait_between_steps_in_window(epoch_loop: Any, windows: IdleWindows) -> Callable[[], None]:
+    """Mark the loop's wait for rank 0 before each step as an idle window; returns the undo."""
+    broadcast = getattr(epoch_loop, SIGTERM_BROADCAST, None)
+    if broadcast is None:
+        return lambda: None
+
+    def broadcast_in_window() -> None:
+        with windows.window("between_steps"):
+            broadcast()
+
+    setattr(epoch_loop, SIGTERM_BROADCAST, broadcast_in_window)
+
+    def restore() -> None:
+        if SIGTERM_BROADCAST in vars(epoch_loop):
+            delattr(epoch_loop, SIGTERM_BROADCAST)
+
+    return restore
+
+
+def clip_by_global_norm(plugin: Any, norm_of: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+    """Make `plugin.clip_grad_by_norm` clip by `norm_of` the gradients it holds (a norm every rank
+    agrees on) instead of this rank's own norm."""
+    main_params: Callable[[Any], Any] = plugin.main_params
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        grads = [p for p in main_params(optimizer) if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(grads, clip_val, norm_of([p.grad for p in grads]))
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
+def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Calls of `module` run `forward` (on this instance) until `restore_forward`; returns the
+    module's own forward, bound."""
+    own = type(module).forward.__get__(module)
+    module.forward = forward  # type: ignore[method-assign]
+    return own
+
+
+@contextmanager
+def own_forward(module: nn.Module) -> Iterator[None]:
+    """`module`'s own forward inside (capture calls the module)."""
+    replacement = vars(module).get("forward")
+    restore_forward(module)
+    try:
+        yield
+    finally:
+        if replacement is not None:
+            module.forward = replacement  # type: ignore[method-assign]
+
+
+def restore_forward(module: nn.Module) -> None:
+    if "forward" in vars(module):
+        del module.forward
