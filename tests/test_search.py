@@ -4,13 +4,15 @@ import dataclasses
 import math
 import random
 
+import numpy as np
 import pytest
 
 from lightning_deeppool.ir.graph import Tied
-from lightning_deeppool.ir.placement import Placement
-from lightning_deeppool.ir.profile import AlphaBeta, CommProfile
+from lightning_deeppool.ir.placement import Placement, per_device_batch
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner import cost
 from lightning_deeppool.planner.search import (
+    _memory,
     amplification,
     candidate_placements,
     candidate_widths,
@@ -19,6 +21,7 @@ from lightning_deeppool.planner.search import (
 )
 
 from planner_fixtures import (
+    SLOW_LINK,
     brute_force,
     brute_force_placements,
     chain,
@@ -424,6 +427,30 @@ def test_a_memory_budget_can_make_a_spatial_split_necessary():
     fitted = search(graph, profile, **sizes, memory_budget_bytes=budget)
     assert max(cost.memory_per_rank(graph, profile, fitted.placements(), **sizes)) <= budget
     assert any(placement.spatial == 2 for placement in fitted.placements().values())
+
+
+def test_vectorized_memory_matches_the_cost_models_reference():
+    graph = conv_net(2, rows=6)
+    sizes = (1, 3, 8)  # sparse and uneven, so that both interpolate
+    measured = {
+        "conv0": LayerProfile("conv0", sizes, (1e-3, 2e-3, 5e-3), (1000, 2500, 9000)),
+        "conv1": LayerProfile("conv1", sizes, (1e-3, 2e-3, 5e-3), (700, 4000, 4100)),
+        "head": LayerProfile("head", sizes, (1e-4, 2e-4, 3e-4)),  # memory not measured
+    }
+    profile = Profile(graph.fingerprint, "synthetic", "float32", measured, SLOW_LINK)
+    world_size, batch = 8, 8
+    for item in graph.layers:
+        options = [
+            Placement(w, s)
+            for w in range(1, world_size + 1)
+            for s in range(1, min(w, max(item.height, 1)) + 1)
+            if w % s == 0
+        ]
+        halo = cost.halo_share(graph, item)
+        batches = np.array([per_device_batch(batch, p.groups) for p in options])
+        spatial = np.array([p.spatial for p in options])
+        reference = [cost.layer_memory(profile, item, p, batch, halo=halo) for p in options]
+        assert _memory(profile, item, batches, spatial, halo) == pytest.approx(reference, rel=1e-12)
 
 
 def test_a_pin_may_split_samples_by_height_as_a_mapping_or_a_placement():
