@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
 from lightning_deeppool.ir.placement import per_device_batch
-from lightning_deeppool.ir.profile import Profile
+from lightning_deeppool.ir.profile import CommProfile, LayerProfile, Profile
 from lightning_deeppool.lowering.schedule import cut_into_buckets
 from lightning_deeppool.profiling.cache import load_cached_profile, profile_cache_key, save_cached_profile
 from lightning_deeppool.profiling.comm import measure_comm
@@ -49,18 +49,60 @@ def profile_on_ranks(
     """The profile for this graph, batch and world: from `cache_dir` if there, else measured (layer
     times split over ranks and merged, communication on this process group, the optimizer update on
     rank 0) and written there by rank 0."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    graph = captured.graph
     measured_on, dtype = device_name(device), parameter_dtype(captured.module)
-    inputs = {name: repr(captured.meta[name].leaves) for name in captured.batch_inputs}
-    key = profile_cache_key(graph.fingerprint, inputs, dtype, measured_on, world_size, global_batch_size)
-    cached = on_rank_zero(lambda: load_cached_profile(cache_dir, key) if cache_dir else None)
+    key = _cache_key(captured, measured_on, dtype, global_batch_size)
+    cached = _load_cached(cache_dir, key)
     if cached is not None:
-        if rank == 0:
-            print(f"deeppool: using the cached profile {key} from {cache_dir}", flush=True)
         return cached
+    world_size = dist.get_world_size()
     sizes = candidate_batch_sizes(global_batch_size, world_size)
-    mine = assign_layers([layer.name for layer in graph.layers], world_size, rank)
+    layers = _time_layers(captured, env, sizes, device=device, warmup=warmup, repeats=repeats)
+    comm = measure_comm(device=device)
+    batch = per_device_batch(global_batch_size, world_size)
+    plain, reduced = _time_whole_passes(
+        captured, env, batch, comm.bucket_bytes, device=device, warmup=warmup, repeats=repeats
+    )
+    profile = Profile(
+        graph_fingerprint=captured.graph.fingerprint,
+        device=measured_on,
+        dtype=dtype,
+        layers=layers,
+        comm=_calibrated_comm(comm, captured.module, plain, reduced),
+        optimizer_s=on_rank_zero(lambda: time_optimizer_step(optimizers)),
+    ).calibrated(plain, batch)
+    if cache_dir is not None and dist.get_rank() == 0:
+        save_cached_profile(cache_dir, key, profile)
+    return profile
+
+
+def _cache_key(captured: CapturedGraph, measured_on: str, dtype: str, global_batch_size: int) -> str:
+    """The cache key of this graph's profile in this world (`profile_cache_key`)."""
+    inputs = {name: repr(captured.meta[name].leaves) for name in captured.batch_inputs}
+    fingerprint, world_size = captured.graph.fingerprint, dist.get_world_size()
+    return profile_cache_key(fingerprint, inputs, dtype, measured_on, world_size, global_batch_size)
+
+
+def _load_cached(cache_dir: Path | None, key: str) -> Profile | None:
+    """Rank 0's cached profile under `key` (None without one), on every rank; collective."""
+    cached = on_rank_zero(lambda: load_cached_profile(cache_dir, key) if cache_dir else None)
+    if cached is not None and dist.get_rank() == 0:
+        print(f"deeppool: using the cached profile {key} from {cache_dir}", flush=True)
+    return cached
+
+
+def _time_layers(
+    captured: CapturedGraph,
+    env: dict[str, Any],
+    sizes: Sequence[int],
+    *,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> dict[str, LayerProfile]:
+    """Every layer's times at `sizes`, each rank timing its share (`assign_layers`), merged on every
+    rank; collective."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = assign_layers([layer.name for layer in captured.graph.layers], world_size, rank)
     part = on_every_rank(
         lambda: profile_layers(
             captured,
@@ -75,10 +117,22 @@ def profile_on_ranks(
     )
     parts: list[Any] = [None] * world_size
     dist.all_gather_object(parts, part)
-    comm = measure_comm(device=device)
-    # Every rank times whole passes at the same time, as data parallelism runs them: without and with
-    # the all-reduce of their gradients.
-    batch = per_device_batch(global_batch_size, world_size)
+    return merge_layer_profiles(parts)
+
+
+def _time_whole_passes(
+    captured: CapturedGraph,
+    env: dict[str, Any],
+    batch: int,
+    bucket_bytes: int,
+    *,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """Seconds of a whole pass at `batch`, without and then with the all-reduce of its gradients,
+    each averaged over ranks; collective. Every rank times them at the same time, as data
+    parallelism runs them."""
 
     def whole(reduce: Callable[[list[torch.Tensor]], None] | None) -> float:
         return _mean_over_ranks(
@@ -87,21 +141,13 @@ def profile_on_ranks(
             )
         )
 
-    plain = whole(None)
-    reduced = whole(functools.partial(_all_reduce_in_buckets, bucket_bytes=comm.bucket_bytes))
-    grad_bytes = sum(p.numel() * p.element_size() for p in captured.module.parameters() if p.requires_grad)
-    comm = comm.calibrated(reduced - plain, world_size, grad_bytes, plain)
-    profile = Profile(
-        graph_fingerprint=graph.fingerprint,
-        device=measured_on,
-        dtype=dtype,
-        layers=merge_layer_profiles(parts),
-        comm=comm,
-        optimizer_s=on_rank_zero(lambda: time_optimizer_step(optimizers)),
-    ).calibrated(plain, batch)
-    if cache_dir is not None and rank == 0:
-        save_cached_profile(cache_dir, key, profile)
-    return profile
+    return whole(None), whole(functools.partial(_all_reduce_in_buckets, bucket_bytes=bucket_bytes))
+
+
+def _calibrated_comm(comm: CommProfile, module: torch.nn.Module, plain: float, reduced: float) -> CommProfile:
+    """`comm` fitted to what all-reducing the module's gradients added to a `plain` whole pass."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return comm.calibrated(reduced - plain, dist.get_world_size(), grad_bytes, plain)
 
 
 def _mean_over_ranks(measure: Callable[[], float]) -> float:
