@@ -129,7 +129,7 @@ class Block(NamedTuple):
 class Layout:
     """Which samples, and which rows of each, every rank of the world holds: sample group g (ranks
     ``g * spatial`` to ``g * spatial + spatial - 1``) holds `counts[g]` consecutive samples, split by
-    rows in `spatial` parts (`spatial.row_parts`). Ranks past the groups hold nothing."""
+    rows in `spatial` parts (`rows.row_parts`). Ranks past the groups hold nothing."""
 
     counts: tuple[int, ...]
     spatial: int

@@ -10,7 +10,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 3  # 2: optimizer_s; 3: communication measured up to bucket-sized messages
+# A profile file of another version is refused and a cached one is not found (the version is part of
+# the key), so the model is profiled again: raise it whenever what a profile holds, or how it is
+# measured, changes.
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True)

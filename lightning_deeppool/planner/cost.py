@@ -1,36 +1,30 @@
-"""The cost model: predicted seconds of one training step for a placement of every layer. Pure functions,
-no torch.
+"""The cost model: predicted seconds of one training step for a placement of every layer. Pure
+functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1) runs as
+``g = w // s`` sample groups of s consecutive ranks, each sample split by height in s parts;
+``b = ceil(B / g)`` is its per-device batch. Per layer:
 
-A layer runs at a `Placement` (a plain int is a width, unsplit): width w, as ``g = w // s`` sample groups
-of s consecutive ranks, each group's samples split by height in s parts (s = 1: not split). A step
-costs, per layer:
-
-- compute: the profiled fwd+bwd time at the per-device batch ``b = ceil(B / g)``. Split by height, a
-  part computes ``ceil(H / s)`` of the H rows plus the halo it reads, so the time is taken at the
-  effective sample count ``x = b * min(1, ceil(H / s) / H + halo share)`` (`effective_samples`):
-  interpolated between profiled batch sizes, and below the smallest extrapolated along the line
-  through the two smallest, so a fixed per-call cost does not shrink, never below 0
-  (`fractional_time`);
-- sync: all-reduce of its gradients among its w devices (ranks 0..w-1 own its parameters, however
-  the samples are split);
-- transfer: redistributing activations forward and their gradients backward on every edge whose ends
-  have different placements, sized by the samples the busiest rank sends or receives
-  (`busiest_samples`) or, where an end is split by height, its share of samples with rows counted as
-  fractions of a sample of the consumer's height (`busiest_shares`, `value_rows`), and then priced as
-  the spatial layers' messages (`CommProfile.halo_time`: the runtime moves values on their links
-  where they have them); and, split by height, the halo exchange: ``halo_bytes * b`` out and the halo
-  gradients back (`halo_time`).
-
-Graph inputs and outputs live at width N (with a global batch B < N, ranks B.. hold no sample).
-Every layer needs ``g <= B`` (each group at least one sample), so with B < N only layers split by
-height can run wider than B, and layers that reduce over each rank's samples (`Layer.per_rank`)
-cannot run at all (`check_sizes`). An edge's transfer is charged to the consuming layer; the return
-of a graph output to width N is charged to the layer that produces it; a layer's halo exchange is
-charged to its transfer. A parameter several layers share is all-reduced once, among the devices of
-its widest user, and charged there (`synced_bytes`); the search's dynamic programme, which sees one
-layer at a time, charges it to its first user instead. Memory (`layer_memory`): the activation
-memory profiled at the per-device batch, scaled by the row share a part holds, plus parameters and
-gradients on each of its w ranks.
+- compute: the profiled fwd+bwd time at b. Split by height, a part computes ``ceil(H / s)`` of the H
+  rows plus the halo it reads: the time at ``b * min(1, ceil(H / s) / H + halo share)`` samples
+  (`effective_samples`), interpolated between profiled batches and, below the smallest, along the
+  line through the two smallest, never below 0, so a fixed per-call cost does not shrink
+  (`fractional_time`).
+- sync: its gradients all-reduced among its w devices (ranks 0..w-1 own its parameters, however the
+  samples are split). A parameter several layers share is reduced once, among its widest user's
+  devices, and charged there (`synced_bytes`); the search's DP, seeing one layer at a time, charges
+  it to its first user.
+- transfer: activations forward and their gradients backward on every edge whose ends have different
+  placements, charged to the consumer (a graph output's return to width N: to its producer). Sized by
+  the samples the busiest rank sends or receives (`busiest_samples`) or, with an end split by height,
+  its share of samples, rows counted as fractions of a sample of the consumer's height
+  (`busiest_shares`, `value_rows`), then priced as the spatial layers' messages
+  (`CommProfile.halo_time`: the runtime moves values on their links where they have them).
+- halo, split by height: ``halo_bytes * b`` out and the halo gradients back (`halo_time`), charged to
+  the layer's transfer.
+- memory (`layer_memory`): the activation memory profiled at b, scaled by the row share a part holds,
+  plus parameters and gradients, on each of its w ranks.
+- sizes: graph inputs and outputs live at width N (with B < N, ranks B.. hold no sample). Every layer
+  needs ``g <= B``, so with B < N only layers split by height run wider than B, and layers that reduce
+  over each rank's samples (`Layer.per_rank`) cannot run at all (`checks.check_sizes`).
 """
 
 from __future__ import annotations
@@ -181,7 +175,7 @@ def transfer_time(
 
 
 def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int) -> np.ndarray:
-    """``layout.busiest_rank_samples`` between the ``layout.balanced`` layouts of every pair of widths
+    """``placement.busiest_rank_samples`` between the ``placement.balanced`` layouts of every pair of widths
     (`busiest_shares` of unsplit placements)."""
     unsplit = [Placement(int(width)) for width in widths]
     return busiest_shares(unsplit, 1, world_size, global_batch_size).astype(np.int64)
@@ -190,10 +184,10 @@ def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int)
 def busiest_shares(
     placements: Sequence[Placement], rows: int, world_size: int, global_batch_size: int
 ) -> np.ndarray:
-    """``layout.busiest_rank_share`` between the ``layout.Layout.of`` layouts of every pair of placements,
-    for a value of `rows` rows. Vectorized (the reference is quadratic in the world size): a rank's
-    block under each layout is a range of samples times a range of rows, and it sends (receives) what
-    it holds under the old (new) layout minus the overlap of its two blocks."""
+    """``placement.busiest_rank_share`` between the ``placement.Layout.of`` layouts of every pair of
+    placements, for a value of `rows` rows. Vectorized (the reference is quadratic in the world size):
+    a rank's block under each layout is a range of samples times a range of rows, and it sends
+    (receives) what it holds under the old (new) layout minus the overlap of its two blocks."""
     ranks = np.arange(world_size)
     widths = np.array([p.width for p in placements])
     spatial = np.array([p.spatial for p in placements])

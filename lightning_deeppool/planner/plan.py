@@ -1,8 +1,8 @@
 """Plans: the placement (width, and spatial split) of every layer plus the predicted costs, as versioned
 JSON the runtime reads.
 
-JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``. Every layer has
-``"spatial"``; plans written before spatial splits, without it, load with spatial 1.
+JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``. A layer without
+``"spatial"`` loads with spatial 1 (not split).
 """
 
 from __future__ import annotations

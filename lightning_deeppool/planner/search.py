@@ -1,24 +1,21 @@
 """Search: the placement of every layer (width, and spatial split) that minimizes the predicted step
-time, under hard constraints.
+time under hard constraints, by dynamic programming over the layers in execution order.
 
-Dynamic programming over layers in execution order. A state holds the placements of the *live* values
-(produced and still read by a later layer); a chain has one live value, a residual block two. The DP
-is exact while at most ``max_states`` states survive a layer; beyond that it keeps the cheapest ones
-and is a heuristic (a beam search).
-
-Candidate widths (unsplit placements): every width 1..N while N <= ``EXHAUSTIVE_UP_TO``. Above that,
-for each distinct per-device batch ``ceil(B / w)`` the smallest such w, plus N. Widths with the same
-per-device batch compute equally fast but split the batch differently, so they are not
-interchangeable for transfers: the exhaustive set keeps small worlds exactly optimal. Only widths up
-to B qualify (every device of a layer needs a sample), so with B < N no unsplit layer runs wider than B.
-
-Spatial splits (`candidate_placements`), for layers with a height: ``(w, s)`` for s parts in
-`spatial_parts` (2, 3, 4, then powers of two only, which keeps large worlds fast), s dividing w, at
-most B sample groups (so every group has a sample), s at most the layer's height, and only where a
-part computes fewer samples' worth than the finest sample split can, ``ceil(B / (w / s)) / s <
-ceil(B / min(N, B))`` (always so for w > B): otherwise an unsplit width computes about as fast without
-the halo exchange (what is left out gains less than one sample per device). Above ``EXHAUSTIVE_UP_TO``
-devices, per number of parts, only the fewest groups for each per-group batch.
+- states: the placements of the *live* values (produced and still read by a later layer): one in a
+  chain, two in a residual block. Exact while at most ``max_states`` states survive a layer; beyond,
+  the cheapest are kept (a beam search, a heuristic).
+- unsplit candidates (`candidate_widths`): every width 1..N while N <= ``EXHAUSTIVE_UP_TO``; above, for
+  each distinct per-device batch ``ceil(B / w)`` the smallest such w, plus N. Widths of one per-device
+  batch compute alike but split the batch differently, so not alike for transfers: the exhaustive set
+  keeps small worlds exactly optimal. Only widths up to B (every device of a layer needs a sample), so
+  with B < N no unsplit layer runs wider than B.
+- split candidates (`candidate_placements`, layers with a height): ``(w, s)`` for s parts in
+  `spatial_parts` (2, 3, 4, then powers of two only, which keeps large worlds fast), s dividing w, at
+  most B sample groups, s at most the layer's height, and only where a part computes fewer samples'
+  worth than the finest sample split can, ``ceil(B / (w / s)) / s < ceil(B / min(N, B))`` (always so
+  for w > B); otherwise an unsplit width is about as fast without the halo exchange (what is left out
+  gains less than one sample per device). Above ``EXHAUSTIVE_UP_TO`` devices, per number of parts,
+  only the fewest groups for each per-group batch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ devices:
 - **DDP**: every layer at width N, costed by `cost.ddp_baseline` (with B < N, on B devices: the
   most data parallelism can use).
 - **Burst**: the plan `search.search` finds, costed by the same model; it may split samples by height
-  (`layout.Placement`), which lets layers use more devices than there are samples.
+  (`placement.Placement`), which lets layers use more devices than there are samples.
 - **Burst + background fill**: device-time the plan leaves idle runs background training. A rank is
   idle during the compute of every layer narrower than its index (`Plan.idle_fractions`); time spent
   in transfers and gradient syncs is not counted as idle. Background work is valued in
