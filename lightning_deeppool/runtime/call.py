@@ -10,15 +10,24 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lightning_deeppool.capture import CapturedGraph, GuardError
 from lightning_deeppool.runtime.shared_batch import checksum, shares
 
-Row = tuple[int, ...]  # samples, digest of the per-sample signature, outcome, data checksum
 OK, GUARD_FAILED, INVALID = 0, 1, 2
+
+
+class Row(NamedTuple):
+    """What a rank shows the others of its call: its samples, a digest of the per-sample signature,
+    whether it can run (`OK`, `GUARD_FAILED`, `INVALID`) and, for a shared batch, the data's checksum."""
+
+    samples: int
+    signature: int
+    outcome: int
+    checksum: int
 
 
 @dataclass
@@ -51,7 +60,7 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
         if len(found) > 1:
             raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
     except (TypeError, ValueError) as err:
-        return Call({}, {}, {}, "", (0, 0, INVALID, 0), err)
+        return Call({}, {}, {}, "", Row(0, 0, INVALID, 0), err)
     samples = [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
     signature = repr(
         (
@@ -67,14 +76,17 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
         outcome, error = GUARD_FAILED, err
     digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
     data = checksum(list(batch.values())) if shared else 0
-    return Call(batch, scalars, input_grads, signature, (found.pop(), digest, outcome, data), error)
+    return Call(batch, scalars, input_grads, signature, Row(found.pop(), digest, outcome, data), error)
 
 
-def check(call: Call, rows: Sequence[Row], captured_samples: list[Any], *, shared: bool) -> tuple[int, ...]:
-    """Every rank's samples in the call, once every rank's row says the call can run (raises the
-    same kind of error on every rank otherwise)."""
+def check(
+    call: Call, every_row: Sequence[Sequence[int]], captured_samples: list[Any], *, shared: bool
+) -> tuple[int, ...]:
+    """Every rank's samples in the call, once every rank's row (as it travelled: its numbers) says the
+    call can run (raises the same kind of error on every rank otherwise)."""
+    rows = [Row(*row) for row in every_row]
     failed = {
-        outcome: [rank for rank, row in enumerate(rows) if row[2] == outcome]
+        outcome: [rank for rank, row in enumerate(rows) if row.outcome == outcome]
         for outcome in (GUARD_FAILED, INVALID)
     }
     if call.error is not None:
@@ -86,16 +98,16 @@ def check(call: Call, rows: Sequence[Row], captured_samples: list[Any], *, share
         )
     if failed[GUARD_FAILED]:
         raise GuardError(f"deeppool: a captured branch no longer holds on ranks {failed[GUARD_FAILED]}")
-    if len({row[1] for row in rows}) > 1:
+    if len({row.signature for row in rows}) > 1:
         raise ValueError(
             "ranks called the planned forward with different per-sample shapes, dtypes or arguments in "
             "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
             f"same per-sample shape (this rank: {call.signature})"
         )
-    if shared and len({(row[0], row[3]) for row in rows}) > 1:
+    if shared and len({(row.samples, row.checksum) for row in rows}) > 1:
         raise ValueError(
             "shared_batch=True needs every rank to read the same global batch, but the ranks' batches "
-            f"differ (samples per rank: {[row[0] for row in rows]}); give every rank the same data "
+            f"differ (samples per rank: {[row.samples for row in rows]}); give every rank the same data "
             "in the same order (the strategy's sampler does; a custom sampler must too)"
         )
     samples = [(tuple(t.shape[1:]), t.dtype) for t in call.batch.values()]
@@ -105,4 +117,4 @@ def check(call: Call, rows: Sequence[Row], captured_samples: list[Any], *, share
             f"{captured_samples}; this step's inputs differ. "
             "The captured graph is specialized to them: pad inputs to a fixed shape"
         )
-    return shares(call.row[0], len(rows)) if shared else tuple(row[0] for row in rows)
+    return shares(call.row.samples, len(rows)) if shared else tuple(row.samples for row in rows)

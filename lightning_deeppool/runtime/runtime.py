@@ -126,9 +126,9 @@ class BurstRuntime:
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         with self.windows.idle.window("agree_on_batch"):
             dist.all_gather(gathered, mine, group=self.redistribution)
-        return [tuple(int(x) for x in t.tolist()) for t in gathered]
+        return [Row(*t.tolist()) for t in gathered]
 
-    def run(self, call: Call, rows: Sequence[Row]) -> Any:
+    def run(self, call: Call, rows: Sequence[Sequence[int]]) -> Any:
         """Run a prepared call, given every rank's row of it (raises on every rank if one cannot run)."""
         counts = check(call, rows, self._captured_samples, shared=self.shared)
         batch = call.batch

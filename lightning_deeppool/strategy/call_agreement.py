@@ -5,15 +5,15 @@ user may call the model on one rank alone (``if self.global_rank == 0: self(x)``
 Each call is identified by its place in the code (file and line) and its occurrence there within the
 step. A rank announces the call it is at; when every rank has announced the same one it is collective.
 When no rank can still arrive (each has left the step, is waiting at another call, or is blocked in a
-collective), the call is decided *local*: it runs as plain PyTorch on the ranks that made it. In that
+collective), the call is decided *alone*: it runs as plain PyTorch on the ranks that made it. In that
 state the lowest waiting rank's call is decided first: rank 0 holds every parameter, so its lone calls
-are the ones that can run locally. A rank blocked in a collective may still be finishing one the
+are the ones that can run alone. A rank blocked in a collective may still be finishing one the
 waiting ranks already took part in, so it counts as stuck only once nothing has changed for
 `BLOCKED_GRACE_S`. A wrong decision cannot pass silently: a rank that does not hold every layer
-refuses to run a call locally once its copy is stale, or to backpropagate through one.
+refuses to run a call alone once its copy is stale, or to backpropagate through one.
 
 Nobody polls: a waiting rank blocks on its call's decision. The last rank to arrive decides
-*collective*; a rank that leaves the step or starts waiting elsewhere decides *local* for the lowest
+*collective*; a rank that leaves the step or starts waiting elsewhere decides *alone* for the lowest
 waiting rank when that one can no longer be joined. Only the grace for blocked ranks needs a timer.
 """
 
@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -72,18 +73,18 @@ class CallAgreement:
 
     def agree(self, site: str, row: Sequence[int] = ()) -> list[tuple[int, ...]] | None:
         """Every rank's `row` if the call at `site` is made by every rank (collective), else None
-        (local). Rows travel with the decision: a collective call needs no further exchange."""
+        (alone). Rows travel with the decision: a collective call needs no further exchange."""
         occurrence = self._seen.get(site, 0)
         self._seen[site] = occurrence + 1
         key = f"{self.prefix}/{self.step}/{site}/{occurrence}"
-        self.store.set(self._row_key(self.rank), f"{key}|{','.join(map(str, row))}")
+        self.store.set(self._row_key(self.rank), str(_Arrival(key, tuple(row))))
         if self.store.add(f"{key}/n", 1) == self.world_size:
             # Every rank set its row before it arrived; one that has set another since has moved on: it
-            # found this call decided local (after the grace for blocked ranks) before this rank came.
-            found = [raw.decode().rpartition("|") for raw in self.store.multi_get(self._row_keys())]
-            if any(at != key for at, _, _ in found):
-                return self._decide(key, "local")
-            return self._decide(key, "collective|" + ";".join(text for _, _, text in found))
+            # found this call decided alone (after the grace for blocked ranks) before this rank came.
+            found = [_Arrival.parse(raw) for raw in self.store.multi_get(self._row_keys())]
+            if any(arrival.at != key for arrival in found):
+                return self._decide(key, ALONE)
+            return self._decide(key, _Decision(tuple(arrival.row for arrival in found)))
         self._post("wait", key)
         try:
             return self._await(key, site)
@@ -100,11 +101,11 @@ class CallAgreement:
             mine = verdict == "blocked" and lowest == key
             if mine and unchanged == states:
                 # Nothing moved during a whole grace period: the blocked ranks wait for this one.
-                self._decide(key, "local")
+                self._decide(key, ALONE)
             unchanged = states if mine else None
             try:
                 self.store.wait([decision], timedelta(seconds=BLOCKED_GRACE_S))
-                return _rows(self.store.get(decision))
+                return _Decision.parse(self.store.get(decision)).rows()
             except dist.DistStoreError:
                 pass  # a grace period passed without a decision: look again
             if time.monotonic() - start > _GIVE_UP_S:
@@ -115,13 +116,10 @@ class CallAgreement:
                 )
 
     def _release_stuck(self, states: list[bytes] | None = None) -> tuple[str, str]:
-        """Decide *local* the lowest waiting rank's call if no other rank can still join it. Returns
+        """Decide *alone* the lowest waiting rank's call if no other rank can still join it. Returns
         that call and "stuck" (decided), "blocked" (only ranks blocked in a collective could still
         join it) or "" (some rank may still join it)."""
-        parsed = [
-            (int(step), kind, at)
-            for step, kind, at in (raw.decode().split("|", 2) for raw in (states or self._states()))
-        ]
+        parsed = [_State.parse(raw) for raw in (states or self._states())]
         waiting = [
             (step, rank, at)
             for rank, (step, kind, at) in enumerate(parsed)
@@ -140,20 +138,22 @@ class CallAgreement:
             blocked |= kind == "blocked"
         if blocked:
             return key, "blocked"
-        self._decide(key, "local")
+        self._decide(key, ALONE)
         return key, "stuck"
 
-    def _decide(self, key: str, value: str) -> list[tuple[int, ...]] | None:
+    def _decide(self, key: str, decision: _Decision) -> list[tuple[int, ...]] | None:
+        """Decide the call at `key` unless a rank already did; the decision that holds."""
+        value = str(decision)
         decided = self.store.compare_set(f"{key}/decision", "", value)
         if decided == value.encode():
             self._decided.setdefault(self.step, []).append(key)
-        return _rows(decided)
+        return _Decision.parse(decided).rows()
 
     def _states(self) -> list[bytes]:
         return self.store.multi_get([self._state_key(r) for r in range(self.world_size)])
 
     def _post(self, kind: str, at: str = "") -> None:
-        self.store.set(self._state_key(self.rank), f"{self.step}|{kind}|{at}")
+        self.store.set(self._state_key(self.rank), str(_State(self.step, kind, at)))
 
     def _state_key(self, rank: int) -> str:
         return f"{self.prefix}/state/{rank}"
@@ -165,12 +165,66 @@ class CallAgreement:
         return [self._row_key(r) for r in range(self.world_size)]
 
 
-def _rows(decision: bytes) -> list[tuple[int, ...]] | None:
-    """The rows a *collective* decision carries; None for a *local* one."""
-    kind, _, rows = decision.decode().partition("|")
-    if kind != "collective":
-        return None
-    return [tuple(int(x) for x in text.split(",") if x) for text in rows.split(";")]
+class _State(NamedTuple):
+    """What a rank posts of itself: its step, what it is doing ("busy", "wait", "blocked" or "done")
+    and, waiting, the call it waits at."""
+
+    step: int
+    kind: str
+    at: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.step}|{self.kind}|{self.at}"
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _State:
+        step, kind, at = raw.decode().split("|", 2)
+        return cls(int(step), kind, at)
+
+
+class _Arrival(NamedTuple):
+    """A rank's arrival at a call: the call's key and the row the rank brings to it."""
+
+    at: str
+    row: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.at}|{_row_text(self.row)}"
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _Arrival:
+        at, _, text = raw.decode().rpartition("|")
+        return cls(at, _row(text))
+
+
+class _Decision(NamedTuple):
+    """A call's decision: collective, carrying every rank's row, or alone (`every_row` None)."""
+
+    every_row: tuple[tuple[int, ...], ...] | None
+
+    def __str__(self) -> str:
+        if self.every_row is None:
+            return "alone"
+        return "collective|" + ";".join(_row_text(row) for row in self.every_row)
+
+    def rows(self) -> list[tuple[int, ...]] | None:
+        return None if self.every_row is None else list(self.every_row)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _Decision:
+        kind, _, rows = raw.decode().partition("|")
+        return cls(tuple(_row(text) for text in rows.split(";")) if kind == "collective" else None)
+
+
+ALONE = _Decision(None)
+
+
+def _row_text(row: tuple[int, ...]) -> str:
+    return ",".join(map(str, row))
+
+
+def _row(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def call_site() -> str:

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.comm.fail_together import on_rank_zero
 from lightning_deeppool.install import InstalledPlan
-from lightning_deeppool.runtime.call import Call, Row
+from lightning_deeppool.runtime.call import Call
 from lightning_deeppool.runtime.verify import first_difference
 from lightning_deeppool.strategy.call_agreement import CallAgreement, call_site
 from lightning_deeppool.strategy.patches import own_forward, replace_forward, restore_forward
@@ -104,7 +104,7 @@ class ForwardCalls:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: Call | None = None,
-        rows: Sequence[Row] = (),
+        rows: Sequence[Sequence[int]] = (),
     ) -> Any:
         installation = self.session.installed
         if installation is None:
