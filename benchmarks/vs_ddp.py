@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool
-from lightning_deeppool.planner.plan import equal_width_runs
+from lightning_deeppool.ir.placement import equal_width_runs
 
 CONFIGS = ("ddp", "deeppool", "deeppool_full_width")
 RESULTS = Path(__file__).parent / "results" / "vs_ddp.json"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,9 +195,10 @@ class InstalledPlan:
         bucket_bytes: int,
         shared_batch: bool = False,
     ) -> InstalledPlan:
+        """Lower `plan` to this rank's schedule and build its groups, messages, gradient
+        synchronisation and runtime. Collective."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        used = {name for names in captured.layer_params.values() for name in names}
-        params = {name: p for name, p in captured.module.named_parameters() if name in used}
+        params, unplanned = _parameters(root, captured)
         schedule = build_schedule(
             captured.graph,
             plan.placements(),
@@ -205,15 +207,10 @@ class InstalledPlan:
             world_size,
             bucket_bytes,
         )
-        planned = {id(p) for p in params.values()}
-        unplanned = {f"{UNPLANNED}{name}": p for name, p in root.named_parameters() if id(p) not in planned}
         widths = {name: schedule.param_widths.get(name, world_size) for name in params}
         widths.update(dict.fromkeys(unplanned, world_size))
         groups = PlanGroups([*schedule.param_widths.values(), world_size], world_size)
-        uses: dict[str, int] = {}
-        for used_by_layer in captured.layer_params.values():
-            for name in used_by_layer:
-                uses[name] = uses.get(name, 0) + 1
+        uses = Counter(name for names in captured.layer_params.values() for name in names)
         split = any(stage.placement.spatial > 1 for stage in schedule.stages)
         # Where a plan splits samples by height and the ranks share a host, every message goes on
         # local links: gloo's point-to-point and collectives cost 1.5-3 ms each on busy CPU cores.
@@ -292,6 +289,18 @@ class InstalledPlan:
     def close(self) -> None:
         self.runtime.close()
         self.groups.destroy()
+
+
+def _parameters(
+    root: nn.Module, captured: CapturedGraph
+) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+    """The parameters the planned layers use, by their name in the graph, and every other parameter
+    of `root` (used outside the planned forward, if at all), by `UNPLANNED` + its name in `root`."""
+    used = {name for names in captured.layer_params.values() for name in names}
+    params = {name: p for name, p in captured.module.named_parameters() if name in used}
+    planned = {id(p) for p in params.values()}
+    unplanned = {f"{UNPLANNED}{name}": p for name, p in root.named_parameters() if id(p) not in planned}
+    return params, unplanned
 
 
 def _global_batch_size(

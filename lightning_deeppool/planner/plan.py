@@ -16,7 +16,6 @@ from typing import Any
 
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement
-from lightning_deeppool.ir.placement import equal_width_runs as equal_width_runs  # for benchmarks/vs_ddp.py
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import checks, cost
 from lightning_deeppool.planner.tables import aligned

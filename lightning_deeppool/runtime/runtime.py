@@ -393,23 +393,23 @@ class BurstRuntime:
         meta = step.meta[action.value]
         floating = [leaf.dtype.is_floating_point for leaf in meta.leaves]
         pending = step.grads.pop((action.value, action.dst), None)
-        flat: list[torch.Tensor | None] | None = None
+        flat = None
         if src.samples(self.rank) > 0:
             flat = [
-                (
-                    g
-                    if g is not None
-                    else torch.zeros(_held_shape(leaf, src, self.rank), dtype=leaf.dtype, device=self.device)
-                )
-                if floating[i]
-                else None
-                for i, (leaf, g) in enumerate(zip(meta.leaves, pending or [None] * len(meta.leaves)))
+                self._grad_or_zeros(leaf, grad, src) if is_float else None
+                for leaf, grad, is_float in zip(meta.leaves, pending or [None] * len(meta.leaves), floating)
             ]
         moved = self._move(meta, flat, src, dst, floating)
         if moved is not None:
             for i, grad in enumerate(moved):
                 if grad is not None:
                     _accumulate(step, (action.value, action.src), i, grad, len(meta.leaves))
+
+    def _grad_or_zeros(self, leaf: LeafMeta, grad: torch.Tensor | None, layout: Layout) -> torch.Tensor:
+        """A leaf's gradient as this rank holds it under `layout`; zeros where no layer gave one."""
+        if grad is not None:
+            return grad
+        return torch.zeros(_held_shape(leaf, layout, self.rank), dtype=leaf.dtype, device=self.device)
 
     def _sync(self, step: _CallState, action: Action) -> None:
         self.grad_sync.launch_through(self.schedule.buckets[action.number])
