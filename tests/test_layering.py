@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from layering import MAY_IMPORT, PACKAGE, cycles, layer_cycles, sources, violations
+from layering import MAY_IMPORT, PACKAGE, cycles, layer, layer_cycles, sources, violations
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,8 +17,6 @@ def package() -> dict[str, str]:
 
 
 def test_every_module_belongs_to_a_layer(package):
-    from layering import layer
-
     assert {layer(module) for module in package} <= set(MAY_IMPORT)
 
 
