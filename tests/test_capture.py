@@ -10,7 +10,8 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CaptureError, GuardError, capture_graph
 
-from zoo import GPT2, SEQ, VOCAB, CausalEncoder, DemoTransformer, tokens
+from models import images
+from zoo import GPT2, SEQ, VOCAB, CausalEncoder, DemoTransformer, ReservedNames, tokens
 
 
 def _replayed(captured, *args, **kwargs):
@@ -47,6 +48,17 @@ def test_hugging_face_gpt2s_tied_embedding_is_listed_with_the_layers_that_share_
     # Counted once, at its first user (which also holds the position embedding); export names it by
     # the head.
     assert wte.param_bytes == (VOCAB + SEQ) * 32 * 4
+
+
+@pytest.mark.parametrize("leaf_modules", [(), ("meta",)], ids=["export", "record"])
+def test_submodules_named_like_graph_module_attributes_capture_and_replay(leaf_modules):
+    torch.manual_seed(0)
+    model = ReservedNames()
+    x = images(5).tensors[0]
+    captured = capture_graph(model, (x[:4],), leaf_modules=leaf_modules)
+    assert [layer.name for layer in captured.graph.layers] == ["graph", "meta", "code"]
+    with torch.no_grad():
+        assert _close(model(x[:3]), _replayed(captured, x[:3]))
 
 
 def test_a_loss_computed_inside_forward_is_a_per_rank_layer():

@@ -308,6 +308,19 @@ class StemThenBody(Classifier):
         return self.body(torch.relu(self.stem(x)))
 
 
+class ReservedNames(Classifier):
+    """Submodules named as a `torch.fx.GraphModule`'s own attributes: ``graph``, ``meta``, ``code``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.graph = nn.Conv2d(3, 8, 3, padding=1)
+        self.meta = nn.Linear(8 * 8 * 8, 32)
+        self.code = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.code(torch.relu(self.meta(torch.relu(self.graph(x)).flatten(1))))
+
+
 @dataclass(frozen=True)
 class Case:
     """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks."""
@@ -361,6 +374,7 @@ CASES: dict[str, Case] = {
     "dict-input-two-tensors": Case(DictInput, images, _pins("head", "conv")),
     "frozen-layer": Case(FrozenBody, images, _pins("head", "body.2")),
     "parameter-used-outside-forward": Case(PenalizedHead, images, _pins("head", "body.2")),
+    "submodules-named-like-graph-module-attributes": Case(ReservedNames, images, _pins("code", "meta")),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}
     ),

@@ -9,6 +9,7 @@ computes its shapes from that shard.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -80,7 +81,9 @@ class Trace:
 def graph_module(attrs: dict[str, Any], graph: fx.Graph, buffers: set[str]) -> fx.GraphModule:
     """A GraphModule holding `attrs` by reference (the planned module's own parameters, buffers and
     submodules, and constants), with `buffers` registered as buffers so that state saving and
-    restoring sees them."""
+    restoring sees them. A user name that is also one of the GraphModule's own (``meta``, ``graph``,
+    ``code``, ...) is held under another name."""
+    attrs, buffers = _renamed(attrs, graph, buffers)
     gm = fx.GraphModule(attrs, graph)
     for target in buffers & attrs.keys():
         parent_name, _, name = target.rpartition(".")
@@ -89,6 +92,37 @@ def graph_module(attrs: dict[str, Any], graph: fx.Graph, buffers: set[str]) -> f
         delattr(parent, name)
         parent.register_buffer(name, value)
     return gm
+
+
+@functools.cache
+def _reserved() -> frozenset[str]:
+    """The names a GraphModule uses itself (methods, properties, attributes)."""
+    return frozenset(dir(fx.GraphModule(torch.nn.Module(), fx.Graph())))
+
+
+def _renamed(attrs: dict[str, Any], graph: fx.Graph, buffers: set[str]) -> tuple[dict[str, Any], set[str]]:
+    """`attrs` and `buffers` with every top-level name the GraphModule reserves replaced by a free one,
+    and the graph's nodes retargeted to match."""
+    tops = {target.split(".")[0] for target in attrs}
+    taken = set(tops) | _reserved()
+    names = {}
+    for top in sorted(tops & _reserved()):
+        name, n = f"{top}_", 1
+        while name in taken:
+            name, n = f"{top}_{n}", n + 1
+        taken.add(name)
+        names[top] = name
+    if not names:
+        return attrs, buffers
+
+    def rename(target: str) -> str:
+        top, dot, rest = target.partition(".")
+        return names.get(top, top) + dot + rest
+
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            node.target = rename(str(node.target))
+    return {rename(t): value for t, value in attrs.items()}, {rename(t) for t in buffers}
 
 
 def input_names(mapping: dict[str, Any]) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
