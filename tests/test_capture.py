@@ -3,6 +3,8 @@ call, values split by sample, and a clear refusal for whatever cannot be split b
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -10,8 +12,18 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CaptureError, GuardError, capture_graph
 
-from models import images
-from zoo import GPT2, SEQ, VOCAB, CausalEncoder, DemoTransformer, ReservedNames, tokens
+from models import ConvNet, images
+from zoo import (
+    GPT2,
+    SEQ,
+    VOCAB,
+    CausalEncoder,
+    DemoTransformer,
+    ReservedNames,
+    ReturnsDataclass,
+    ReturnsModelOutput,
+    tokens,
+)
 
 
 def _replayed(captured, *args, **kwargs):
@@ -59,6 +71,37 @@ def test_submodules_named_like_graph_module_attributes_capture_and_replay(leaf_m
     assert [layer.name for layer in captured.graph.layers] == ["graph", "meta", "code"]
     with torch.no_grad():
         assert _close(model(x[:3]), _replayed(captured, x[:3]))
+
+
+class Outputs(OrderedDict):
+    """A mapping type torch's pytree does not know."""
+
+
+class ReturnsMapping(ConvNet):
+    def forward(self, x: torch.Tensor) -> Outputs:  # type: ignore[override]
+        features = self.features(x)
+        return Outputs(logits=self.head(features.flatten(1)), features=features)
+
+
+@pytest.mark.parametrize("leaf_modules", [(), ("head",)], ids=["export", "record"])
+@pytest.mark.parametrize(
+    "model",
+    [ReturnsDataclass, ReturnsModelOutput, ReturnsMapping],
+    ids=["dataclass", "model-output", "mapping"],
+)
+def test_a_dataclass_or_model_output_return_is_split_like_a_dict(model, leaf_modules):
+    torch.manual_seed(0)
+    module = model()
+    x = images(5).tensors[0]
+    captured = capture_graph(module, (x[:4],), leaf_modules=leaf_modules)
+    with torch.no_grad():
+        expected, replayed = module(x[:3]), _replayed(captured, x[:3])
+    assert type(replayed) is type(expected)
+    tensors = [
+        [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] for out in (expected, replayed)
+    ]
+    assert _close(*tensors)
+    assert [t.shape[0] for t in tensors[1]] == [3] * len(tensors[1])
 
 
 def test_a_loss_computed_inside_forward_is_a_per_rank_layer():

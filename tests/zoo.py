@@ -321,6 +321,41 @@ class ReservedNames(Classifier):
         return self.code(torch.relu(self.meta(torch.relu(self.graph(x)).flatten(1))))
 
 
+@dataclass
+class Prediction:
+    """A forward's result as a dataclass: logits and the features they came from."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    label: str = "prediction"
+
+
+class ReturnsDataclass(ConvNet):
+    """forward returns a dataclass (`Prediction`)."""
+
+    def forward(self, x: torch.Tensor) -> Prediction:  # type: ignore[override]
+        features = self.features(x)
+        return Prediction(self.head(features.flatten(1)), features)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        return F.cross_entropy(out.logits, y) + 1e-3 * out.features.square().mean()
+
+
+class ReturnsModelOutput(ConvNet):
+    """forward returns Hugging Face's `ModelOutput` itself, built from keywords."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from transformers.utils import ModelOutput
+
+        return ModelOutput(logits=self.head(self.features(x).flatten(1)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x)["logits"], y)
+
+
 @dataclass(frozen=True)
 class Case:
     """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks."""
@@ -374,6 +409,8 @@ CASES: dict[str, Case] = {
     "dict-input-two-tensors": Case(DictInput, images, _pins("head", "conv")),
     "frozen-layer": Case(FrozenBody, images, _pins("head", "body.2")),
     "parameter-used-outside-forward": Case(PenalizedHead, images, _pins("head", "body.2")),
+    "forward-returns-a-dataclass": Case(ReturnsDataclass, images, _pins("head", "features.2")),
+    "forward-returns-a-model-output": Case(ReturnsModelOutput, images, _pins("head", "features.2")),
     "submodules-named-like-graph-module-attributes": Case(ReservedNames, images, _pins("code", "meta")),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}

@@ -27,6 +27,7 @@ from lightning_deeppool.capture.graph import (
     preserved,
 )
 from lightning_deeppool.capture.layers import cut_into_layers
+from lightning_deeppool.capture.outputs import register_containers
 from lightning_deeppool.capture.record import GuardError, trace_by_recording
 from lightning_deeppool.capture.trace import CaptureError, Trace
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta, take_samples
@@ -83,6 +84,7 @@ def _capture(
         raise CaptureError(
             f"running {type(module).__name__}.forward on the example batch failed: {err}"
         ) from err
+    register_containers(outputs)
     _check_outputs(module, outputs)
     trace = _trace(module, mapping, leaf_modules)
     call = CallSignature(
@@ -186,6 +188,6 @@ def _check_outputs(module: nn.Module, outputs: Any) -> None:
         raise CaptureError(
             f"{type(module).__name__}.forward returns a {type(leaf).__name__} at "
             f"{pytree.keystr(path) or 'the top'}, "
-            "which deeppool cannot split by sample; return tensors (or tuples, lists and dicts of "
-            f"them).{hint}"
+            "which deeppool cannot split by sample; return tensors (or tuples, lists, dicts and "
+            f"dataclasses of them).{hint}"
         )
