@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from lightning_deeppool.capture import CaptureError, GuardError, capture_graph
 
@@ -19,6 +20,7 @@ from zoo import (
     VOCAB,
     CausalEncoder,
     DemoTransformer,
+    ReentrantCheckpoint,
     ReservedNames,
     ReturnsDataclass,
     ReturnsModelOutput,
@@ -102,6 +104,30 @@ def test_a_dataclass_or_model_output_return_is_split_like_a_dict(model, leaf_mod
     ]
     assert _close(*tensors)
     assert [t.shape[0] for t in tensors[1]] == [3] * len(tensors[1])
+
+
+class CheckpointsTheInput(ConvNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.features, x, use_reentrant=True).flatten(1))
+
+
+@pytest.mark.parametrize("model", [ReentrantCheckpoint, CheckpointsTheInput], ids=["hidden", "input"])
+def test_layers_under_a_reentrant_checkpoint_get_one_devices_gradients(model):
+    """A checkpoint of a hidden value trains its layers; one of the input, which does not require
+    grad, leaves them without gradients, on one device as in the capture."""
+    torch.manual_seed(0)
+    module = model()
+    x = images(6).tensors[0]
+    captured = capture_graph(module, (x[:4],))
+    module(x).square().sum().backward()
+    expected = {name: p.grad for name, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    values = captured.run_all({"x": x}, 6, {})
+    captured.forward_outputs(values, 6, {}).square().sum().backward()
+    for name, p in module.named_parameters():
+        assert (p.grad is None) == (expected[name] is None), name
+        assert p.grad is None or torch.allclose(p.grad, expected[name], atol=1e-6), name
+    assert (expected["features.2.weight"] is None) == (model is CheckpointsTheInput)
 
 
 def test_a_loss_computed_inside_forward_is_a_per_rank_layer():

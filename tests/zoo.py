@@ -356,6 +356,16 @@ class ReturnsModelOutput(ConvNet):
         return F.cross_entropy(self(x)["logits"], y)
 
 
+class ReentrantCheckpoint(ConvNet):
+    """The second convolution under `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        hidden = checkpoint(self.features[2:], self.features[:2](x), use_reentrant=True)
+        return self.head(hidden.flatten(1))
+
+
 @dataclass(frozen=True)
 class Case:
     """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks."""
@@ -411,6 +421,7 @@ CASES: dict[str, Case] = {
     "parameter-used-outside-forward": Case(PenalizedHead, images, _pins("head", "body.2")),
     "forward-returns-a-dataclass": Case(ReturnsDataclass, images, _pins("head", "features.2")),
     "forward-returns-a-model-output": Case(ReturnsModelOutput, images, _pins("head", "features.2")),
+    "reentrant-activation-checkpointing": Case(ReentrantCheckpoint, images, _pins("head", "features.2")),
     "submodules-named-like-graph-module-attributes": Case(ReservedNames, images, _pins("code", "meta")),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}

@@ -6,7 +6,8 @@ with real arguments; ``leaf_modules`` are recorded as one call each and run as P
 The forward runs three times, at three batch sizes, and the three recordings must agree: integers that
 differ grow linearly with the batch size and become `affine` nodes, anything else that differs is
 refused. Python values taken from tensors (``bool(t)``, ``t.item()``) are refused when the tensor depends
-on the batch, and otherwise become *guards*, checked at every call.
+on the batch, and otherwise become *guards*, checked at every call. Calls inside a reentrant activation
+checkpoint are recorded as computed with gradients (`_in_reentrant_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_deeppool.capture.trace import (
     BATCH_SIZE,
@@ -132,9 +135,8 @@ class _Recorder(TorchFunctionMode):
         tainted = any(self.refs.get(id(t)) in self.tainted for t in tensor_args)
         leaves, spec = pytree.tree_flatten(out)
         index = len(self.tape.entries)
-        entry = _Entry(
-            fn, template[0], template[1], spec, [], tuple(self.stack), torch.is_grad_enabled(), module
-        )
+        grad = torch.is_grad_enabled() or _in_reentrant_checkpoint()
+        entry = _Entry(fn, template[0], template[1], spec, [], tuple(self.stack), grad, module)
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves) and module is None:
             if tainted:
                 raise CaptureError(self.data_dependence(_name(fn)))
@@ -522,6 +524,21 @@ def _name(fn: Any) -> str:
     if name == "__get__" and owner is not None:
         return getattr(owner, "__name__", "__get__")
     return name or str(fn)
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the call runs inside a reentrant activation checkpoint's forward (``checkpoint(...,
+    use_reentrant=True)``) that computes gradients: it turns them off and, when a tensor it was given
+    requires grad, computes them in its backward by running the function again. Recorded as computed
+    with gradients, such a call trains as on one device (without the checkpoint's memory saving)."""
+    code = CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            inputs = frame.f_locals.get("args", ())
+            return any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _user_line() -> str:
