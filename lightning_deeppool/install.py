@@ -37,6 +37,8 @@ from lightning_deeppool.profiling.on_ranks import profile_on_ranks
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import IdleWindows, ScheduleWindows
 from lightning_deeppool.runtime.runtime import BurstRuntime
+from lightning_deeppool.runtime.shared_batch import checksum
+from lightning_deeppool.runtime.unheld import UnheldGradients
 
 UNPLANNED = "<unplanned>."
 
@@ -77,10 +79,12 @@ def install(
     idle: IdleWindows,
     log_dir: Callable[[], str | None],
     plan: Plan | None = None,
+    reads_gradients: bool = False,
 ) -> InstalledPlan:
     """Capture `target`'s forward on this call's batch, plan (unless `plan` is given: an earlier
     fit's), and build this rank's part of it. `root` holds every trainable parameter; `log_dir`
-    (collective) is asked only where a new plan is saved. Collective."""
+    (collective) is asked only where a new plan is saved; with `reads_gradients`, every rank gets the
+    norms of the gradients it does not hold at each synchronisation (`runtime.unheld`). Collective."""
     world_size = dist.get_world_size()
     # Before capture: a rank without samples cannot capture, and must fail with the others.
     global_batch = _global_batch_size(args, kwargs, world_size, idle, options.shared_batch)
@@ -110,6 +114,7 @@ def install(
         idle=idle,
         bucket_bytes=options.bucket_bytes,
         shared_batch=options.shared_batch,
+        reads_gradients=reads_gradients,
     )
     installed.profile = profile
     return installed
@@ -179,6 +184,7 @@ class InstalledPlan:
     grad_sync: GradSync
     names: dict[int, str]  # parameter id -> name in the gradient synchronisation
     widths: dict[str, int]  # name -> how many ranks (0..w-1) hold it
+    unheld_gradients: UnheldGradients | None  # where the user reads gradients
     profile: Profile | None = None  # what planned it, where it was planned in this fit
     settled: bool = False
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
@@ -194,6 +200,7 @@ class InstalledPlan:
         idle: IdleWindows,
         bucket_bytes: int,
         shared_batch: bool = False,
+        reads_gradients: bool = False,
     ) -> InstalledPlan:
         """Lower `plan` to this rank's schedule and build its groups, messages, gradient
         synchronisation and runtime. Collective."""
@@ -238,8 +245,14 @@ class InstalledPlan:
             messages=messages,
             shared=shared_batch,
         )
-        names = {id(p): name for name, p in {**params, **unplanned}.items()}
-        return cls(plan, captured, schedule, groups, runtime, grad_sync, names, widths)
+        every = {**params, **unplanned}
+        names = {id(p): name for name, p in every.items()}
+        unheld = (
+            UnheldGradients(every, widths, rank=rank, world_size=world_size, device=device)
+            if reads_gradients
+            else None
+        )
+        return cls(plan, captured, schedule, groups, runtime, grad_sync, names, widths, unheld)
 
     @functools.cached_property
     def data_parallel(self) -> bool:
@@ -251,6 +264,42 @@ class InstalledPlan:
     def owns_everything(self, rank: int) -> bool:
         return all(rank < width for width in self.widths.values())
 
+    def not_held(self, rank: int) -> list[str]:
+        """The parameters `rank` does not hold, in order."""
+        return [name for name, width in self.widths.items() if rank >= width]
+
+    @property
+    def narrow(self) -> bool:
+        """Whether some rank does not hold every parameter (the same on every rank)."""
+        return any(width < dist.get_world_size() for width in self.widths.values())
+
+    def poison_unheld(self, rank: int) -> None:
+        """Fill the parameters `rank` does not hold with NaN: no rank keeps them current, so a read of
+        them there gives NaN rather than a value that looks right."""
+        params = self.grad_sync.params
+        with torch.no_grad():
+            for name in self.not_held(rank):
+                if params[name].is_floating_point():
+                    params[name].fill_(float("nan"))
+
+    def check_replicas(self) -> None:
+        """Raise on every rank if the ranks that hold a parameter hold different values of it: the
+        first such parameter, in order, is named. Collective."""
+        rank, params = dist.get_rank(), self.grad_sync.params
+        shared = [name for name, width in self.widths.items() if width > 1]
+        mine = [checksum([params[name]]) if rank < self.widths[name] else None for name in shared]
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        for i, name in enumerate(shared):
+            found = {r: every[r][i] for r in range(self.widths[name])}
+            if len(set(found.values())) > 1:
+                raise RuntimeError(
+                    f"deeppool: the ranks that train {name!r} together hold different values of it "
+                    f"(checksums by rank: {found}): a parameter was changed on some ranks only, or "
+                    "ranks computed its update differently. Change parameters the same way on every "
+                    "rank; if the training code does, please report this to lightning-deeppool"
+                )
+
     def sync(
         self, optimizers: Sequence[torch.optim.Optimizer], optimizer: torch.optim.Optimizer | None = None
     ) -> None:
@@ -261,6 +310,8 @@ class InstalledPlan:
         if optimizer is not None:
             only = [self.names[id(p)] for p in self._original.get(id(optimizer), []) if id(p) in self.names]
         self.grad_sync.sync(only)
+        if self.unheld_gradients is not None:
+            self.unheld_gradients.publish()
 
     def _settle(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """First synchronisation: parameters some rank used outside the planned forward are reduced over

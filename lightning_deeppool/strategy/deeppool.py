@@ -24,6 +24,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -72,6 +73,8 @@ class DeepPoolStrategy(DDPStrategy):
             strategy's sampler does not shard the data); each rank keeps its share of the samples for
             the plan and gets the whole batch's outputs back, so every rank computes one device's loss.
             This trains batches smaller than the device count, on layers the plan splits by height.
+        check_every_n_steps: every this many steps, and at the end of fit, the ranks that train a
+            parameter together compare their copies and raise on a difference (0: at the end only).
     """
 
     strategy_name = "deeppool"
@@ -91,6 +94,7 @@ class DeepPoolStrategy(DDPStrategy):
         memory_budget_bytes: float | None = None,
         bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         shared_batch: bool = False,
+        check_every_n_steps: int = 100,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -100,6 +104,8 @@ class DeepPoolStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        if check_every_n_steps < 0:
+            raise ValueError(f"check_every_n_steps must be >= 0, got {check_every_n_steps}")
         if not amplification_limit >= 1.0:
             raise ValueError(f"amplification_limit must be >= 1 (or inf), got {amplification_limit}")
         if plan is not None and not isinstance(plan, str | Path | Mapping):
@@ -137,6 +143,10 @@ class DeepPoolStrategy(DDPStrategy):
         self._sync_gradients = True
         self._failed = False
         self._restore_between_steps: Callable[[], None] | None = None
+        self.check_every_n_steps = check_every_n_steps
+        self._checked_at = 0
+        self._refresh_for_evaluation = _RefreshForEvaluation(self._refresh_parameters)
+        self._trainer_callbacks: list[pl.Callback] = []
         self.measured_step_time_s: float | None = None
         self.measured_work_time_s: float | None = None  # the plan's part of it (see `report`)
 
@@ -199,6 +209,7 @@ class DeepPoolStrategy(DDPStrategy):
                 self.global_rank,
                 lambda: self.optimizers,
                 self._log_dir,
+                reads_gradients=_reads_gradients(trainer, self.lightning_module),
             )
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
@@ -209,6 +220,8 @@ class DeepPoolStrategy(DDPStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             patch_scaler_overflow(scaler, self.root_device)
+        self._trainer_callbacks = _callbacks(trainer)
+        self._trainer_callbacks.append(self._refresh_for_evaluation)  # last: after the user's epoch hooks
 
     def _agreement(self) -> CallAgreement | None:
         if self.world_size < 2:
@@ -217,21 +230,20 @@ class DeepPoolStrategy(DDPStrategy):
         return CallAgreement(default_store(), prefix, self.global_rank, self.world_size)
 
     @override
-    def on_validation_start(self) -> None:
-        # Ranks other than 0 skipped the updates of layers they do not run: validation runs every
-        # layer on every rank, so give them rank 0's parameters and buffers first.
-        self._refresh_parameters()
-
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.session.step_times.mark()
+        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+        every = self.check_every_n_steps
+        if every and step and step % every == 0 and step != self._checked_at:
+            self._checked_at = step
+            self._check_replicas()
 
     @override
     def on_train_end(self) -> None:
-        self._refresh_parameters()
         installed = self.session.installed
         if installed is None:
             return
+        self._refresh_parameters()
         step_times = self.session.step_times
         self.measured_step_time_s = step_times.median_s()
         self.measured_work_time_s = step_times.median_work_s()
@@ -245,10 +257,24 @@ class DeepPoolStrategy(DDPStrategy):
             )
 
     def _refresh_parameters(self) -> None:
-        if self._calls is not None and self._calls.stale_anywhere:
-            assert self.lightning_module is not None
-            sync_module_states(self.lightning_module)
-            self._calls.refreshed()
+        """Check the ranks that train a parameter together agree on it, then give every rank rank 0's
+        parameters and buffers where some rank does not hold every layer (evaluation runs every layer
+        on every rank, and fit ends with every rank's weights current). Collective."""
+        installed = self.session.installed
+        if installed is None or self._calls is None:
+            return
+        self._check_replicas()  # before rank 0's values overwrite a difference
+        if not installed.narrow:
+            return
+        assert self.lightning_module is not None
+        sync_module_states(self.lightning_module)
+        self._calls.refreshed()
+
+    def _check_replicas(self) -> None:
+        installed = self.session.installed
+        if installed is not None and installed.settled:
+            with self.idle_windows.window("check_replicas"):
+                installed.check_replicas()
 
     @override
     def teardown(self) -> None:
@@ -260,6 +286,8 @@ class DeepPoolStrategy(DDPStrategy):
             self._calls.close()
             self._calls = None
         self.session.end_fit()
+        if self._refresh_for_evaluation in self._trainer_callbacks:
+            self._trainer_callbacks.remove(self._refresh_for_evaluation)
         if self._restore_between_steps is not None:
             self._restore_between_steps()
             self._restore_between_steps = None
@@ -289,15 +317,23 @@ class DeepPoolStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Backward, then synchronize the gradients it produced (unless accumulating)."""
+        """Backward, then synchronize the gradients it produced (unless accumulating) before the
+        `on_after_backward` hooks run, as DDP's are final when its backward returns. (Lightning's
+        `Strategy.backward` with the synchronisation between the backward and its hooks.)"""
         if self._calls is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self.session.step_times.backward(), self._blocked():
             with self._calls.backward(last=self._sync_gradients):
-                loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             if self._sync_gradients:
                 self._calls.sync_gradients()
-        return loss
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     @contextmanager
@@ -346,9 +382,36 @@ class DeepPoolStrategy(DDPStrategy):
 
     # Lightning's own collectives inside a training step (`self.log(sync_dist=True)`, ...) block too.
     @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         with self._blocked():
-            return super().reduce(*args, **kwargs)
+            result = super().reduce(tensor, *args, **kwargs)
+        if self._calls is not None and self._calls.stale_anywhere and isinstance(result, torch.Tensor):
+            self._check_reduced(tensor, result)
+        return result
+
+    def _check_reduced(self, tensor: torch.Tensor, result: torch.Tensor) -> None:
+        """A reduced value that is not finite because a rank computed it from layers it does not run
+        (NaN there between refreshes) raises on every rank. Every rank reduced the same result, so
+        every rank takes the same branch; a host sync, only while such layers are held as NaN."""
+        if bool(torch.isfinite(result).all()):
+            return
+        installed = self.session.installed
+        assert installed is not None and self.lightning_module is not None
+        mine = not bool(torch.isfinite(tensor).all())
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        readers = [r for r, bad in enumerate(every) if bad and not installed.owns_everything(r)]
+        if readers:
+            rank = readers[0]
+            hook = getattr(self.lightning_module, "_current_fx_name", None) or "a hook"
+            raise RuntimeError(
+                f"deeppool: a value reduced across ranks in {hook} (self.log(..., sync_dist=True), say) is "
+                f"NaN because ranks {readers} computed it from parameters of layers they do not run: "
+                f"rank {rank} does not hold {installed.not_held(rank)[:6]}, which no rank keeps current "
+                "there between refreshes (they hold NaN until validation or the end of fit). Compute "
+                "such values on rank 0, which holds every parameter (self.log(..., rank_zero_only=True) "
+                "or `if self.trainer.is_global_zero:`), or pin those layers to every device"
+            )
 
     @override
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
@@ -394,3 +457,43 @@ class DeepPoolStrategy(DDPStrategy):
             with self.idle_windows.window("clip_norm"):
                 dist.broadcast(norm, src=0)
         return norm
+
+
+# Hooks that see gradients after they are synchronized: where the user reads them.
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _reads_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+    """Whether user code may read gradients: a gradient hook or gradient clipping of its own in the
+    module or a callback, or manual optimization."""
+    if not module.automatic_optimization:
+        return True
+    hooks = (*_GRADIENT_HOOKS, "configure_gradient_clipping")
+    if any(is_overridden(hook, module, pl.LightningModule) for hook in hooks):
+        return True
+    return any(is_overridden(hook, c, pl.Callback) for c in _callbacks(trainer) for hook in _GRADIENT_HOOKS)
+
+
+def _callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
+    return trainer.callbacks  # type: ignore[attr-defined,no-any-return]
+
+
+class _RefreshForEvaluation(pl.Callback):
+    """Refreshes every rank's parameters at the start of each evaluation epoch, after the other
+    callbacks' hooks (weight averaging swaps its weights in there): evaluation runs every layer on
+    every rank."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        self.refresh = refresh
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.refresh()
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.refresh()
+
+    @override
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.refresh()

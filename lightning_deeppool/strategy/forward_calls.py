@@ -187,12 +187,14 @@ class ForwardCalls:
         self.session.sync(optimizer)
 
     def after_optimizer_step(self) -> None:
+        """Layers a rank does not run went stale there: held as NaN until the next refresh."""
         installation = self.session.installed
-        if installation is not None and not all(
-            w == installation.plan.world_size for w in installation.widths.values()
-        ):
-            self.stale_anywhere = True
-            self.stale = not installation.owns_everything(self.session.fit.rank)
+        if installation is None or not installation.narrow or self.stale_anywhere:
+            return
+        self.stale_anywhere = True
+        rank = self.session.fit.rank
+        self.stale = not installation.owns_everything(rank)
+        installation.poison_unheld(rank)
 
     def refreshed(self) -> None:
         self.stale = self.stale_anywhere = False

@@ -32,6 +32,7 @@ class Fit:
     rank: int
     optimizers: Callable[[], Sequence[torch.optim.Optimizer]]
     log_dir: Callable[[], str | None]
+    reads_gradients: bool = False  # a hook after backward or before the optimizer step, or clipping
 
 
 class PlanSession:
@@ -70,6 +71,7 @@ class PlanSession:
             idle=self.idle,
             log_dir=fit.log_dir,
             plan=self.plan,
+            reads_gradients=fit.reads_gradients,
         )
         self.plan = self.installed.plan
         if self.installed.profile is not None:
