@@ -25,7 +25,7 @@ from lightning_deeppool.strategy.patches import (
     replace_forward,
     restore_forward,
     sync_module_states,
-    wait_between_steps_in_window,
+    wrap_wait_between_steps,
 )
 
 from distributed import run_distributed
@@ -70,7 +70,7 @@ def test_the_wait_before_each_step_is_an_idle_window_until_restored():
             Loop.calls += 1
 
     loop, windows = Loop(), IdleWindows()
-    restore = wait_between_steps_in_window(loop, windows)
+    restore = wrap_wait_between_steps(loop, lambda: windows.window("between_steps"))
     getattr(loop, SIGTERM_BROADCAST)()
     restore()
     getattr(loop, SIGTERM_BROADCAST)()

@@ -26,23 +26,27 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch.distributed as dist
 
-_GIVE_UP_S = 600.0
 BLOCKED_GRACE_S = 2.0
 
 
 class CallAgreement:
     """Per rank: the step's calls, announced in `store` under `prefix` (the same on every rank)."""
 
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float = 1800.0
+    ) -> None:
         self.store = store
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout_s  # the process group's: a wait at a call gives up after it too
         self.step = 0
+        self.collectives = 0  # the collectives this rank has issued from Lightning (`blocked(issued=...)`)
+        self._kind = "busy"
         self._seen: dict[str, int] = {}
         self._decided: dict[int, list[str]] = {}  # per step, the calls this rank decided
         self._post("busy")
@@ -55,6 +59,7 @@ class CallAgreement:
             self.store.delete_key(f"{key}/n")
             self.store.delete_key(f"{key}/decision")
         self.step += 1
+        self._kind = "busy"  # posted with the next state: the one naming the last step says as much
         self._seen.clear()
 
     def end_step(self) -> None:
@@ -63,13 +68,21 @@ class CallAgreement:
         self._release_stuck()
 
     @contextmanager
-    def blocked(self) -> Iterator[None]:
-        """This rank waits in a collective: it cannot make a call before the others join it."""
-        self._post("blocked")
+    def blocked(self, issued: str = "") -> Iterator[None]:
+        """This rank waits in a collective: it cannot make a call before the others join it. A
+        collective `issued` from a Lightning hook (named) is counted: every rank issues the same ones,
+        in the same order."""
+        if issued:
+            self.collectives += 1
+        before = self._kind
+        # A rank that has finished its step stays done: it joins none of the step's calls.
+        self._post("done" if before == "done" else "blocked", issued)
         try:
+            if issued:
+                self._check_same_collective(issued)
             yield
         finally:
-            self._post("busy")
+            self._post(before)
 
     def agree(self, site: str, row: Sequence[int] = ()) -> list[tuple[int, ...]] | None:
         """Every rank's `row` if the call at `site` is made by every rank (collective), else None
@@ -103,14 +116,15 @@ class CallAgreement:
                 # Nothing moved during a whole grace period: the blocked ranks wait for this one.
                 self._decide(key, ALONE)
             unchanged = states if mine else None
+            self._check_collectives(states, site)
             try:
                 self.store.wait([decision], timedelta(seconds=BLOCKED_GRACE_S))
                 return _Decision.parse(self.store.get(decision)).rows()
             except dist.DistStoreError:
                 pass  # a grace period passed without a decision: look again
-            if time.monotonic() - start > _GIVE_UP_S:
+            if time.monotonic() - start > self.timeout_s:
                 raise RuntimeError(
-                    f"deeppool: rank {self.rank} waited {_GIVE_UP_S:.0f} s for the other ranks "
+                    f"deeppool: rank {self.rank} waited {self.timeout_s:.0f} s for the other ranks "
                     f"to call the model at {site} or to finish the step; a rank may be blocked "
                     "in a collective deeppool does not see (a torch.distributed call in training_step)"
                 )
@@ -121,21 +135,25 @@ class CallAgreement:
         join it) or "" (some rank may still join it)."""
         parsed = [_State.parse(raw) for raw in (states or self._states())]
         waiting = [
-            (step, rank, at)
-            for rank, (step, kind, at) in enumerate(parsed)
-            if kind == "wait" and not self.store.check([f"{at}/decision"])
+            (state.step, rank, state.at)
+            for rank, state in enumerate(parsed)
+            if state.kind == "wait" and not self.store.check([f"{state.at}/decision"])
         ]
         if not waiting:
             return "", ""
         step, lowest, key = min(waiting)
         undecided = {at for _, _, at in waiting}
         blocked = False
-        for rank, (their_step, kind, at) in enumerate(parsed):
-            if rank == lowest or their_step > step or (their_step == step and kind == "done"):
+        for rank, state in enumerate(parsed):
+            if rank == lowest or state.step > step or (state.step == step and state.kind == "done"):
                 continue
-            if their_step < step or kind == "busy" or (kind == "wait" and at not in undecided):
+            if (
+                state.step < step
+                or state.kind == "busy"
+                or (state.kind == "wait" and state.at not in undecided)
+            ):
                 return key, ""  # that rank may still arrive (its own call was decided: it is busy)
-            blocked |= kind == "blocked"
+            blocked |= state.kind == "blocked"
         if blocked:
             return key, "blocked"
         self._decide(key, ALONE)
@@ -152,8 +170,56 @@ class CallAgreement:
     def _states(self) -> list[bytes]:
         return self.store.multi_get([self._state_key(r) for r in range(self.world_size)])
 
+    def _check_collectives(self, states: list[bytes], site: str) -> None:
+        """Raise if a rank that must still join this call waits in a collective issued from a hook that
+        this rank, waiting at the call, has not issued yet: neither can go on (every rank issues the
+        same collectives in the same order around the planned calls)."""
+        for rank, state in enumerate(_State.parse(raw) for raw in states):
+            joins = state.step < self.step or (state.step == self.step and state.kind == "blocked")
+            if joins and state.kind in ("blocked", "done") and state.at and state.issued > self.collectives:
+                self._fail(
+                    f"deeppool: rank {rank} waits in a collective issued from {state.at} (collective "
+                    f"{state.issued} it issued from a hook), which rank {self.rank} has not issued (it "
+                    f"issued {self.collectives}): rank {self.rank} waits at the model call at {site}, "
+                    f"which rank {rank} must join first. The ranks issued "
+                    "different collectives, or in a different order around the call "
+                    "(self.log(..., sync_dist=True) on some ranks only, say). Issue collectives on every "
+                    "rank in the same order, or log with rank_zero_only=True"
+                )
+
+    def _check_same_collective(self, issued: str) -> None:
+        """Raise if a rank waits in its collective of the same number as this one, issued elsewhere:
+        they would never pair up. (Each rank posts its own before reading the others', so of two ranks
+        in such collectives at once at least one sees the other's.)"""
+        for rank, state in enumerate(_State.parse(raw) for raw in self._states()):
+            if rank == self.rank or state.issued != self.collectives or not state.at:
+                continue
+            if state.kind in ("blocked", "done") and state.at != issued:
+                self._fail(
+                    f"deeppool: the collective {self.collectives} rank {self.rank} issued from a hook is "
+                    f"{issued}, and rank {rank}'s is {state.at}: the ranks issued different collectives "
+                    "(self.log(..., sync_dist=True) on some ranks only, say), which would never pair up. "
+                    "Issue collectives on every rank in the same order, or log with rank_zero_only=True"
+                )
+
+    def _fail(self, message: str) -> NoReturn:
+        """Raise `message` here, and leave it for the other ranks to find (`reported`)."""
+        self.store.set(f"{self.prefix}/failed", message)
+        raise RuntimeError(message)
+
+    def reported(self) -> str | None:
+        """What a rank that stopped on a mismatch of collectives reported, if the store still answers
+        (it lives in rank 0's process)."""
+        key = f"{self.prefix}/failed"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:  # the store's rank is gone
+            return None
+
     def _post(self, kind: str, at: str = "") -> None:
-        self.store.set(self._state_key(self.rank), str(_State(self.step, kind, at)))
+        self._kind = kind
+        state = _State(self.step, kind, at, self.collectives)
+        self.store.set(self._state_key(self.rank), str(state))
 
     def _state_key(self, rank: int) -> str:
         return f"{self.prefix}/state/{rank}"
@@ -166,20 +232,22 @@ class CallAgreement:
 
 
 class _State(NamedTuple):
-    """What a rank posts of itself: its step, what it is doing ("busy", "wait", "blocked" or "done")
-    and, waiting, the call it waits at."""
+    """What a rank posts of itself: its step, what it is doing ("busy", "wait", "blocked" or "done"),
+    where (waiting: the call it waits at; blocked: the hook that issued the collective, if counted),
+    and how many collectives it has issued from hooks."""
 
     step: int
     kind: str
     at: str = ""
+    issued: int = 0
 
     def __str__(self) -> str:
-        return f"{self.step}|{self.kind}|{self.at}"
+        return f"{self.step}|{self.kind}|{self.issued}|{self.at}"
 
     @classmethod
     def parse(cls, raw: bytes) -> _State:
-        step, kind, at = raw.decode().split("|", 2)
-        return cls(int(step), kind, at)
+        step, kind, issued, at = raw.decode().split("|", 3)
+        return cls(int(step), kind, at, int(issued))
 
 
 class _Arrival(NamedTuple):

@@ -41,7 +41,7 @@ from lightning_deeppool.strategy.patches import (
     optimizers_to_device,
     patch_scaler_overflow,
     sync_module_states,
-    wait_between_steps_in_window,
+    wrap_wait_between_steps,
 )
 from lightning_deeppool.strategy.session import Fit, PlanSession
 from lightning_deeppool.strategy.step_times import summary
@@ -147,6 +147,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._checked_at = 0
         self._refresh_for_evaluation = _RefreshForEvaluation(self._refresh_parameters)
         self._trainer_callbacks: list[pl.Callback] = []
+        self._failed_collective: str | None = None  # the hook that issued a collective that failed
         self.measured_step_time_s: float | None = None
         self.measured_work_time_s: float | None = None  # the plan's part of it (see `report`)
 
@@ -191,6 +192,7 @@ class DeepPoolStrategy(DDPStrategy):
                 "numbers of devices. Remove sync_batchnorm or use strategy='ddp'."
             )
         self._failed = False
+        self._failed_collective = None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -214,8 +216,8 @@ class DeepPoolStrategy(DDPStrategy):
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
         clip_by_global_norm(self.precision_plugin, self._global_norm)
-        self._restore_between_steps = wait_between_steps_in_window(
-            trainer.fit_loop.epoch_loop, self.idle_windows
+        self._restore_between_steps = wrap_wait_between_steps(
+            trainer.fit_loop.epoch_loop, self._between_steps
         )
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
@@ -227,7 +229,8 @@ class DeepPoolStrategy(DDPStrategy):
         if self.world_size < 2:
             return None
         prefix = self.broadcast(f"deeppool/{uuid.uuid4().hex}")
-        return CallAgreement(default_store(), prefix, self.global_rank, self.world_size)
+        timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        return CallAgreement(default_store(), prefix, self.global_rank, self.world_size, timeout_s)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -300,9 +303,25 @@ class DeepPoolStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Say where in the burst schedule a failure (a collective timeout, say) happened."""
         self._failed = True
+        if not hasattr(exception, "add_note"):
+            return
+        reported = self._calls.agreement.reported() if self._calls and self._calls.agreement else None
+        if reported and reported not in str(exception):
+            exception.add_note(f"deeppool: another rank stopped first: {reported}")
+        elif _lost_connection(exception):
+            exception.add_note(
+                f"deeppool: rank {self.global_rank} lost its connection to the other ranks: another rank "
+                "stopped first, and its error says why"
+            )
+        if self._failed_collective:
+            exception.add_note(
+                f"deeppool: rank {self.global_rank} was in a collective issued from "
+                f"{self._failed_collective} (self.log(..., sync_dist=True), all_gather, barrier, "
+                "broadcast); every rank must issue the same ones, in the same order"
+            )
         runtime = self.session.installed.runtime if self.session.installed is not None else None
         action = runtime.last_action if runtime is not None else None
-        if action is not None and hasattr(exception, "add_note"):
+        if action is not None:
             exception.add_note(
                 f"deeppool: rank {self.global_rank} was running action {action} of the plan's schedule"
             )
@@ -371,19 +390,34 @@ class DeepPoolStrategy(DDPStrategy):
         return output
 
     @contextmanager
-    def _blocked(self) -> Generator[None, None, None]:
-        """This rank may wait for the others here (a collective)."""
-        agreement = self._calls.meeting if self._calls is not None else None
-        if agreement is None or not self._calls.in_training_step:  # type: ignore[union-attr]
-            yield
-            return
-        with agreement.blocked():
+    def _between_steps(self) -> Generator[None, None, None]:
+        """Lightning's wait for rank 0 before each step: idle time, and a collective every rank issues."""
+        with self.idle_windows.window("between_steps"), self._blocked("broadcast", hook="between steps"):
             yield
 
-    # Lightning's own collectives inside a training step (`self.log(sync_dist=True)`, ...) block too.
+    @contextmanager
+    def _blocked(self, issued: str = "", hook: str | None = None) -> Generator[None, None, None]:
+        """This rank may wait for the others here (a collective). One `issued` through Lightning (the
+        operation's name) is counted, and named for the other ranks by the hook that issued it: every
+        rank must issue the same ones in the same order."""
+        if issued:
+            hook = hook or getattr(self.lightning_module, "_current_fx_name", None) or "Lightning"
+            hook = f"{hook} ({issued})"
+        agreement = self._calls.meeting if self._calls is not None else None
+        try:
+            if agreement is None:
+                yield
+            else:
+                with agreement.blocked(hook or ""):
+                    yield
+        except BaseException:
+            self._failed_collective = self._failed_collective or hook
+            raise
+
+    # Lightning's own collectives (`self.log(sync_dist=True)`, `self.all_gather`, ...) block too.
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._blocked():
+        with self._blocked(issued="reduce"):
             result = super().reduce(tensor, *args, **kwargs)
         if self._calls is not None and self._calls.stale_anywhere and isinstance(result, torch.Tensor):
             self._check_reduced(tensor, result)
@@ -415,17 +449,17 @@ class DeepPoolStrategy(DDPStrategy):
 
     @override
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        with self._blocked():
+        with self._blocked(issued="all_gather"):
             return super().all_gather(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._blocked():
+        with self._blocked(issued="broadcast"):
             return super().broadcast(obj, src)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._blocked():
+        with self._blocked(issued="barrier"):
             super().barrier(*args, **kwargs)
 
     # ------------------------------------------------------------------------ forward takeover
@@ -497,3 +531,9 @@ class _RefreshForEvaluation(pl.Callback):
     @override
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.refresh()
+
+
+def _lost_connection(exception: BaseException) -> bool:
+    """Whether a peer closed its connections (it stopped): gloo's and the store's wording."""
+    text = str(exception).lower()
+    return any(words in text for words in ("broken pipe", "connection closed", "connection reset"))

@@ -7,9 +7,9 @@ changes one fails there, not in a training run:
   gradients overflowed. Each rank's GradScaler only sees the gradients it owns, so ranks could
   disagree on skipping a step and on the next loss scale (a rank that owns nothing would even fail:
   `No inf checks were recorded for this optimizer`). Reads `GradScaler._per_optimizer_states`.
-- `wait_between_steps_in_window`: Lightning's training loop broadcasts rank 0's SIGTERM flag before
-  every step (`_broadcast_sigterm_tensor`, private); a rank that finished its part of the step early
-  waits there, idle like any wait in the plan.
+- `wrap_wait_between_steps`: Lightning's training loop broadcasts rank 0's SIGTERM flag before every
+  step (`_broadcast_sigterm_tensor`, private); a rank that finished its part of the step early waits
+  there, idle like any wait in the plan, in a collective every rank issues.
 - `clip_by_global_norm`: replaces the precision plugin's `clip_grad_by_norm` on the instance.
 - `replace_forward`: the planned module's `forward` replaced on the instance.
 - `default_store`, `sync_module_states`, `optimizers_to_device`: private functions of torch and
@@ -19,7 +19,7 @@ changes one fails there, not in a training run:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -27,8 +27,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
-
-from lightning_deeppool.runtime.idle import IdleWindows
 
 sync_module_states = _sync_module_states  # rank 0's parameters and buffers to every rank (collective)
 optimizers_to_device = _optimizers_to_device
@@ -70,14 +68,17 @@ def patch_scaler_overflow(scaler: torch.amp.GradScaler, device: torch.device) ->
     scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
 
-def wait_between_steps_in_window(epoch_loop: Any, windows: IdleWindows) -> Callable[[], None]:
-    """Mark the loop's wait for rank 0 before each step as an idle window; returns the undo."""
+def wrap_wait_between_steps(
+    epoch_loop: Any, around: Callable[[], AbstractContextManager[Any]]
+) -> Callable[[], None]:
+    """Run the loop's wait for rank 0 before each step inside `around()` (an idle window, a counted
+    collective); returns the undo."""
     broadcast = getattr(epoch_loop, SIGTERM_BROADCAST, None)
     if broadcast is None:
         return lambda: None
 
     def broadcast_in_window() -> None:
-        with windows.window("between_steps"):
+        with around():
             broadcast()
 
     setattr(epoch_loop, SIGTERM_BROADCAST, broadcast_in_window)

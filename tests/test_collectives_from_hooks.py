@@ -1,0 +1,153 @@
+"""Collectives issued from Lightning hooks while a plan with narrow layers is installed: the same ones
+on every rank complete, in any hook; ones some ranks skip, or issue in another order around a model
+call, stop every rank with an error naming the hook, instead of hanging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_deeppool import DeepPoolStrategy
+
+from distributed import run_distributed
+from models import (
+    MLP,
+    SEED,
+    images,
+    join_lightning_world,
+    max_param_diff,
+    parameters,
+    reference_fit,
+    trainer_kwargs,
+)
+
+LOCAL_BATCH = 4
+STEPS = 3
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_epoch_end",
+)
+
+
+class Collectives(MLP):
+    """Logs with sync_dist, gathers, broadcasts and waits at a barrier from every hook, on every
+    rank, and around the model call in training_step; keeps what the gathers and broadcasts gave."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathered: list[list[float]] = []
+
+    def _issue(self, hook: str) -> None:
+        if self.trainer.world_size == 1:
+            return
+        value = torch.tensor(float(self.global_rank))
+        self.log(f"{hook}_rank", value, sync_dist=True, reduce_fx="sum")
+        self.gathered.append(self.all_gather(value).tolist())
+        self.gathered.append([self.trainer.strategy.broadcast(float(self.global_rank) + 10, src=0)])
+        self.trainer.strategy.barrier(hook)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._issue("training_step_before_call")
+        loss = super().training_step(batch, batch_idx)
+        self._issue("training_step_after_call")
+        return loss
+
+
+for _hook in HOOKS:
+    setattr(Collectives, _hook, lambda self, *args, _name=_hook: self._issue(_name))
+
+
+class RankZeroLogsAfterTheStep(MLP):
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.global_rank == 0:
+            self.log("rank_zero_only_metric", torch.tensor(1.0), sync_dist=True)
+
+
+class LogsOnOppositeSidesOfTheCall(MLP):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 0:
+            self.log("first", torch.tensor(1.0), sync_dist=True)
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank != 0:
+            self.log("first", torch.tensor(1.0), sync_dist=True)
+        return loss
+
+
+def _fit(model: MLP, world: int, root: str) -> pl.Trainer:
+    torch.manual_seed(0)
+    pl.seed_everything(SEED, verbose=False)
+    strategy = DeepPoolStrategy(
+        plan={"": world, "head": 1}, cache_dir=False, profile_warmup=0, profile_repeats=1
+    )
+    trainer = pl.Trainer(
+        **trainer_kwargs(devices=world, strategy=strategy, max_steps=STEPS, default_root_dir=root)
+    )
+    data = images(STEPS * LOCAL_BATCH * world)
+    trainer.fit(model, DataLoader(data, batch_size=LOCAL_BATCH), DataLoader(data, batch_size=LOCAL_BATCH))
+    return trainer
+
+
+def _every_hook(rank: int, world: int, root: str) -> dict[str, Any]:
+    join_lightning_world(rank, world)
+    torch.manual_seed(0)
+    model = Collectives()
+    trainer = _fit(model, world, root)
+    return {
+        "params": parameters(model),
+        "gathered": model.gathered,
+        "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("_rank")},
+    }
+
+
+def test_the_same_collectives_from_every_hook_complete_and_train_like_one_device(tmp_path):
+    world = 2
+    ranks = run_distributed(_every_hook, world, world, str(tmp_path), timeout_s=300)
+    torch.manual_seed(0)
+    reference = Collectives()
+    data = images(STEPS * LOCAL_BATCH * world)
+    reference_fit(
+        reference,
+        data,
+        LOCAL_BATCH * world,
+        val_dataloaders=DataLoader(data, batch_size=LOCAL_BATCH * world),
+        max_steps=STEPS,
+    )
+    assert max_param_diff(parameters(reference), ranks[0]["params"]) < 1e-5
+    assert max_param_diff(ranks[0]["params"], ranks[1]["params"]) == 0
+    assert ranks[0]["gathered"] == ranks[1]["gathered"]
+    assert [0.0, 1.0] in ranks[0]["gathered"] and [10.0] in ranks[0]["gathered"]
+    assert {f"{hook}_rank" for hook in HOOKS} <= set(ranks[0]["logged"])
+    assert all(value == 1.0 for value in ranks[0]["logged"].values())  # 0 + 1, summed over the ranks
+
+
+def _mismatched(rank: int, world: int, root: str, model: type[MLP]) -> str:
+    join_lightning_world(rank, world)
+    torch.manual_seed(0)
+    try:
+        _fit(model(), world, root)
+    except Exception as err:
+        return "\n".join([str(err), *getattr(err, "__notes__", [])])
+    return "trained"
+
+
+@pytest.mark.parametrize(
+    ("model", "hook"),
+    [(RankZeroLogsAfterTheStep, "on_train_batch_end"), (LogsOnOppositeSidesOfTheCall, "training_step")],
+    ids=["skipped-by-a-rank", "around-the-call"],
+)
+def test_collectives_some_ranks_skip_stop_every_rank_naming_the_hook(tmp_path, model, hook):
+    """The rank that finds the mismatch names both collectives; a rank whose peer stopped first says
+    so (the store that would carry the reason lives in rank 0's process)."""
+    found = run_distributed(_mismatched, 2, 2, str(tmp_path), model, timeout_s=120)
+    assert "trained" not in found
+    assert any(f"{hook} (reduce)" in message and "different" in message for message in found), found
+    assert all(hook in message or "another rank stopped first" in message for message in found), found
