@@ -24,7 +24,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -35,6 +34,13 @@ from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
 from lightning_deeppool.strategy.call_agreement import CallAgreement
 from lightning_deeppool.strategy.forward_calls import ForwardCalls
+from lightning_deeppool.strategy.hooks import (
+    RefreshForEvaluation,
+    callbacks,
+    check_reduced,
+    lost_connection,
+    reads_gradients,
+)
 from lightning_deeppool.strategy.patches import (
     clip_by_global_norm,
     default_store,
@@ -145,7 +151,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._restore_between_steps: Callable[[], None] | None = None
         self.check_every_n_steps = check_every_n_steps
         self._checked_at = 0
-        self._refresh_for_evaluation = _RefreshForEvaluation(self._refresh_parameters)
+        self._refresh_for_evaluation = RefreshForEvaluation(self._refresh_parameters)
         self._trainer_callbacks: list[pl.Callback] = []
         self._failed_collective: str | None = None  # the hook that issued a collective that failed
         self.measured_step_time_s: float | None = None
@@ -211,7 +217,7 @@ class DeepPoolStrategy(DDPStrategy):
                 self.global_rank,
                 lambda: self.optimizers,
                 self._log_dir,
-                reads_gradients=_reads_gradients(trainer, self.lightning_module),
+                reads_gradients=reads_gradients(trainer, self.lightning_module),
             )
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
@@ -222,7 +228,7 @@ class DeepPoolStrategy(DDPStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             patch_scaler_overflow(scaler, self.root_device)
-        self._trainer_callbacks = _callbacks(trainer)
+        self._trainer_callbacks = callbacks(trainer)
         self._trainer_callbacks.append(self._refresh_for_evaluation)  # last: after the user's epoch hooks
 
     def _agreement(self) -> CallAgreement | None:
@@ -308,7 +314,7 @@ class DeepPoolStrategy(DDPStrategy):
         reported = self._calls.agreement.reported() if self._calls and self._calls.agreement else None
         if reported and reported not in str(exception):
             exception.add_note(f"deeppool: another rank stopped first: {reported}")
-        elif _lost_connection(exception):
+        elif lost_connection(exception):
             exception.add_note(
                 f"deeppool: rank {self.global_rank} lost its connection to the other ranks: another rank "
                 "stopped first, and its error says why"
@@ -419,33 +425,11 @@ class DeepPoolStrategy(DDPStrategy):
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         with self._blocked(issued="reduce"):
             result = super().reduce(tensor, *args, **kwargs)
-        if self._calls is not None and self._calls.stale_anywhere and isinstance(result, torch.Tensor):
-            self._check_reduced(tensor, result)
-        return result
-
-    def _check_reduced(self, tensor: torch.Tensor, result: torch.Tensor) -> None:
-        """A reduced value that is not finite because a rank computed it from layers it does not run
-        (NaN there between refreshes) raises on every rank. Every rank reduced the same result, so
-        every rank takes the same branch; a host sync, only while such layers are held as NaN."""
-        if bool(torch.isfinite(result).all()):
-            return
         installed = self.session.installed
-        assert installed is not None and self.lightning_module is not None
-        mine = not bool(torch.isfinite(tensor).all())
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
-        readers = [r for r, bad in enumerate(every) if bad and not installed.owns_everything(r)]
-        if readers:
-            rank = readers[0]
-            hook = getattr(self.lightning_module, "_current_fx_name", None) or "a hook"
-            raise RuntimeError(
-                f"deeppool: a value reduced across ranks in {hook} (self.log(..., sync_dist=True), say) is "
-                f"NaN because ranks {readers} computed it from parameters of layers they do not run: "
-                f"rank {rank} does not hold {installed.not_held(rank)[:6]}, which no rank keeps current "
-                "there between refreshes (they hold NaN until validation or the end of fit). Compute "
-                "such values on rank 0, which holds every parameter (self.log(..., rank_zero_only=True) "
-                "or `if self.trainer.is_global_zero:`), or pin those layers to every device"
-            )
+        stale = self._calls is not None and self._calls.stale_anywhere
+        if stale and installed is not None and isinstance(result, torch.Tensor):
+            check_reduced(tensor, result, installed, getattr(self.lightning_module, "_current_fx_name", None))
+        return result
 
     @override
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
@@ -491,49 +475,3 @@ class DeepPoolStrategy(DDPStrategy):
             with self.idle_windows.window("clip_norm"):
                 dist.broadcast(norm, src=0)
         return norm
-
-
-# Hooks that see gradients after they are synchronized: where the user reads them.
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
-def _reads_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Whether user code may read gradients: a gradient hook or gradient clipping of its own in the
-    module or a callback, or manual optimization."""
-    if not module.automatic_optimization:
-        return True
-    hooks = (*_GRADIENT_HOOKS, "configure_gradient_clipping")
-    if any(is_overridden(hook, module, pl.LightningModule) for hook in hooks):
-        return True
-    return any(is_overridden(hook, c, pl.Callback) for c in _callbacks(trainer) for hook in _GRADIENT_HOOKS)
-
-
-def _callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
-    return trainer.callbacks  # type: ignore[attr-defined,no-any-return]
-
-
-class _RefreshForEvaluation(pl.Callback):
-    """Refreshes every rank's parameters at the start of each evaluation epoch, after the other
-    callbacks' hooks (weight averaging swaps its weights in there): evaluation runs every layer on
-    every rank."""
-
-    def __init__(self, refresh: Callable[[], None]) -> None:
-        self.refresh = refresh
-
-    @override
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.refresh()
-
-    @override
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.refresh()
-
-    @override
-    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.refresh()
-
-
-def _lost_connection(exception: BaseException) -> bool:
-    """Whether a peer closed its connections (it stopped): gloo's and the store's wording."""
-    text = str(exception).lower()
-    return any(words in text for words in ("broken pipe", "connection closed", "connection reset"))
