@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
+from lightning_deeppool.capture.codegen import Compiler
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
 from lightning_deeppool.comm.groups import PlanGroups
 from lightning_deeppool.comm.messages import GroupMessages, connect_local_links
@@ -80,17 +81,24 @@ def install(
     log_dir: Callable[[], str | None],
     plan: Plan | None = None,
     reads_gradients: bool = False,
+    compiler: Compiler | None = None,
 ) -> InstalledPlan:
     """Capture `target`'s forward on this call's batch, plan (unless `plan` is given: an earlier
     fit's), and build this rank's part of it. `root` holds every trainable parameter; `log_dir`
     (collective) is asked only where a new plan is saved; with `reads_gradients`, every rank gets the
-    norms of the gradients it does not hold at each synchronisation (`runtime.unheld`). Collective."""
+    norms of the gradients it does not hold at each synchronisation (`runtime.unheld`); the layers run
+    through `compiler` (the user compiled the LightningModule). Collective."""
     world_size = dist.get_world_size()
     # Before capture: a rank without samples cannot capture, and must fail with the others.
     global_batch = _global_batch_size(args, kwargs, world_size, idle, options.shared_batch)
     captured = on_every_rank(
         lambda: capture_graph(
-            target, args, kwargs, leaf_modules=options.leaf_modules, granularity=options.granularity
+            target,
+            args,
+            kwargs,
+            leaf_modules=options.leaf_modules,
+            granularity=options.granularity,
+            compiler=compiler,
         )
     )
     _check_same_capture(captured)

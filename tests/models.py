@@ -130,7 +130,7 @@ TALL = (22, 6)  # height and width of the spatial model's images: 22 rows split 
 
 class SpatialBody(nn.Module):
     """Layers (default granularity): stem, norm (BatchNorm, ReLU), down (grouped stride-2 conv, max
-    pooling), block (residual block, channel concatenation), mix (1x1 conv, flatten), head."""
+    pooling), block (residual block, channel concatenation), mix (1x1 conv), head (flatten, linear)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -30,8 +30,28 @@ def test_spatially_local_layers_get_their_fewest_rows_and_halo_bytes() -> None:
 
 def test_layers_with_operations_that_mix_rows_cannot_split() -> None:
     layers = _layers(SpatialBody(), torch.randn(2, 3, *TALL))
-    assert layers["mix"] == (0, 0)  # flatten
-    assert layers["head"] == (0, 0)  # linear on flat features
+    assert layers["head"] == (0, 0)  # flatten, then linear on flat features
+
+
+def test_an_operation_that_would_make_a_splittable_layer_unsplittable_joins_the_next_layer() -> None:
+    layers = _layers(SpatialBody(), torch.randn(2, 3, *TALL))
+    assert layers["mix"] == (TALL[0] // 4, 0)  # the 1x1 convolution; its flatten joins the head
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    down = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    assert _layers(nn.Sequential(down, head), torch.randn(2, 3, 16, 16)) == {
+        "_0_0": (4, 1 * 3 * 16 * 4),  # the stride-2 convolution's halo row
+        "_1_2": (0, 0),  # pooling and flatten with the linear layer
+    }
+
+
+def test_an_operation_between_splittable_layers_that_mixes_rows_is_a_layer_of_its_own() -> None:
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+    net = nn.Sequential(conv, nn.AvgPool2d(2), nn.Conv2d(4, 4, 3, padding=1))
+    assert _layers(net, torch.randn(2, 3, 8, 8)) == {
+        "_0_0": (8, 2 * 3 * 8 * 4),
+        "_1": (0, 0),
+        "_2": (4, 2 * 4 * 4 * 4),
+    }
 
 
 def test_a_one_sample_example_is_captured_by_export_and_splits() -> None:

@@ -62,7 +62,8 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
                 devices=world, strategy=strategy, callbacks=callbacks, default_root_dir=root, **_trainer(case)
             )
         )
-        trainer.fit(model, DataLoader(data, batch_size=case.local_batch))
+        fitted = torch.compile(model, backend="eager") if case.compiled else model
+        trainer.fit(fitted, DataLoader(data, batch_size=case.local_batch))
         assert strategy.plan is not None
         if case.probe is not None and rank == 0:
             with torch.no_grad():

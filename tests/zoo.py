@@ -147,6 +147,47 @@ class CausalEncoder(LanguageModel):
         return self.head(self.encoder(self.embed(ids), mask=self.mask))
 
 
+def text_pairs(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Samples as Hugging Face tokenizers give them: ids, attention mask, token types and a label; the
+    first half unpadded (batches whose masks are all ones), the rest padded to random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [SEQ if i < n // 2 else int(torch.randint(SEQ // 2, SEQ, (), generator=g)) for i in range(n)]
+    return [
+        {
+            "input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g),
+            "attention_mask": (torch.arange(SEQ) < length).long(),
+            "token_type_ids": (torch.arange(SEQ) >= SEQ // 2).long(),
+            "labels": torch.randint(0, 3, (), generator=g),
+        }
+        for length in lengths
+    ]
+
+
+class TextClassifier(pl.LightningModule):
+    """Lightning's text-transformers example: a Hugging Face BERT sequence classifier called as
+    ``self.model(**batch)`` on dict batches, its loss computed inside forward from ``labels``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, num_labels=3,
+        )  # fmt: skip
+        self.model = BertForSequenceClassification(config)
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        return self.model(**inputs)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(**batch)[0]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
 class LSTMLanguageModel(LanguageModel):
     """Embedding, two-layer LSTM, linear head."""
 
@@ -366,19 +407,43 @@ class ReentrantCheckpoint(ConvNet):
         return self.head(hidden.flatten(1))
 
 
+class PooledHeadCNN(Classifier):
+    """The usual CNN ending: a stride-2 block with max pooling (`down`), then adaptive average
+    pooling, flatten and a linear head; `down` is pinned split by height."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.down = nn.Sequential(nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(self.down(self.stem(x))), 1))
+
+
+class CompiledBody(ConvNet):
+    """`torch.compile` applied to a submodule in `__init__` (the eager backend: nothing to build)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.compile(self.features, backend="eager")
+
+
 @dataclass(frozen=True)
 class Case:
     """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks."""
 
     model: Callable[[], pl.LightningModule]
     data: Callable[[int], Dataset]
-    pins: dict[int, dict[str, int]]
+    pins: dict[int, dict[str, Any]]
     reference: str = "single"  # "single": one device; "ddp": Lightning's DDP (batch statistics)
     trainer: dict[str, Any] = field(default_factory=dict)
     strategy: dict[str, Any] = field(default_factory=dict)
     callbacks: Callable[[], list[pl.Callback]] = list
     local_batch: int = 4
     probe: Callable[[], torch.Tensor] | None = None  # rank 0 alone predicts on it after fit
+    compiled: bool = False  # given to fit as `torch.compile(model)`
 
 
 def _pins(narrow: str, middle: str) -> dict[int, dict[str, int]]:
@@ -390,6 +455,9 @@ CASES: dict[str, Case] = {
     "demo-transformer": Case(DemoTransformer, tokens, _pins("model.decoder", "model.transformer.decoder")),
     "hf-gpt2-loss-in-forward-tied-head": Case(GPT2, tokens, _pins("model.lm_head", "model.transformer.h.1")),
     "hf-bert-attention-mask": Case(BERT, masked_tokens, _pins("model.cls", "model.bert.encoder.layer.1")),
+    "hf-text-classifier-dict-batch-as-keywords": Case(
+        TextClassifier, text_pairs, _pins("model.classifier", "model.bert.encoder.layer.1")
+    ),
     "hf-llama": Case(Llama, tokens, _pins("model.lm_head", "model.model.layers.1")),
     "transformer-encoder-causal-mask-tied": Case(CausalEncoder, tokens, _pins("head", "encoder.layers.1")),
     "lstm-language-model": Case(LSTMLanguageModel, tokens, _pins("head", "lstm")),
@@ -422,6 +490,16 @@ CASES: dict[str, Case] = {
     "forward-returns-a-dataclass": Case(ReturnsDataclass, images, _pins("head", "features.2")),
     "forward-returns-a-model-output": Case(ReturnsModelOutput, images, _pins("head", "features.2")),
     "reentrant-activation-checkpointing": Case(ReentrantCheckpoint, images, _pins("head", "features.2")),
+    "cnn-pooled-head-block-split-by-height": Case(
+        PooledHeadCNN,
+        lambda n: images(n, size=(16, 16)),
+        {
+            2: {"": 2, "down": {"width": 2, "spatial": 2}, "head": 1},
+            3: {"": 3, "stem": 2, "down": {"width": 3, "spatial": 3}, "head": 1},
+        },
+    ),
+    "fit-given-a-compiled-model": Case(ConvNet, images, _pins("head", "features.2"), compiled=True),
+    "compiled-submodule": Case(CompiledBody, images, _pins("head", "features._orig_mod.2")),
     "submodules-named-like-graph-module-attributes": Case(ReservedNames, images, _pins("code", "meta")),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}

@@ -9,15 +9,18 @@ mix samples. Anything that cannot be proven is refused with a `CaptureError` tha
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.check import check_per_sample, check_replay
+from lightning_deeppool.capture.codegen import Compiler
 from lightning_deeppool.capture.export import trace_with_export
 from lightning_deeppool.capture.graph import (
     CallSignature,
@@ -50,19 +53,33 @@ def capture_graph(
     *,
     leaf_modules: Sequence[str] = (),
     granularity: str = "layer",
+    compiler: Compiler | None = None,
 ) -> CapturedGraph:
     """Capture ``type(module).forward`` on an example batch and cut it into layers.
 
     Tensor arguments are batches (dimension 0 is the sample); other arguments are constants of the
     capture. `granularity` is ``"layer"`` (operations without parameters join the layer they follow)
-    or ``"module"`` (a layer per submodule call). Raises `CaptureError` naming the construct that
-    failed and what to do.
+    or ``"module"`` (a layer per submodule call). The layers run through `compiler` (the module was
+    compiled as a whole), or the compiler of the submodule they belong to where `torch.compile` wrapped
+    one. Raises `CaptureError` naming the construct that failed and what to do.
     """
     # Captured without autocast, the graph holds no precision casts: under mixed precision each
     # operation is cast when it runs, as in eager.
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     with torch.autocast(device_type, enabled=False):
-        return _capture(module, example_args, example_kwargs or {}, leaf_modules, granularity)
+        captured = _capture(module, example_args, example_kwargs or {}, leaf_modules, granularity)
+    return dataclasses.replace(captured, compilers=_compilers(module, compiler))
+
+
+def _compilers(module: nn.Module, compiler: Compiler | None) -> tuple[tuple[str, Compiler], ...]:
+    """By module path: `compiler` for the whole module, each compiled submodule's for its layers
+    (captured under its ``_orig_mod``)."""
+    compiled = [
+        (f"{path}._orig_mod" if path else "_orig_mod", submodule.dynamo_ctx)
+        for path, submodule in module.named_modules()
+        if isinstance(submodule, OptimizedModule)
+    ]
+    return ((("", compiler),) if compiler is not None else ()) + tuple(compiled)
 
 
 def _capture(

@@ -1,20 +1,31 @@
 """A layer as generated Python: its nodes compiled into one function, so running it costs what the
-model's own forward costs instead of a dictionary lookup and argument mapping per node."""
+model's own forward costs instead of a dictionary lookup and argument mapping per node. Where the user
+compiled the model (or the submodule the layer belongs to) with `torch.compile`, the function runs
+through the same compiler."""
 
 from __future__ import annotations
 
-import functools
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx
+
+# What `torch.compile` gives (a compiled model's `dynamo_ctx`): wraps a function into its compiled form.
+Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 class CompiledLayer:
     """Evaluates a layer's `nodes` (graph order) from an environment of the node values it reads
     (by node name) and returns the values of `outputs`, as one generated function."""
 
-    def __init__(self, module: fx.GraphModule, nodes: tuple[fx.Node, ...], outputs: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        nodes: tuple[fx.Node, ...],
+        outputs: tuple[str, ...],
+        compiler: Compiler | None = None,
+    ) -> None:
         inside = set(nodes)
         # Nodes evaluated before this layer (other layers' values, inputs, the batch size) become the
         # function's arguments, in the order the layer first reads them.
@@ -28,9 +39,8 @@ class CompiledLayer:
         graph.output(tuple(by_name[name] for name in outputs))
         # The generated function runs with `self` = the live captured module, so it reads parameters,
         # buffers and submodules there at every call, as the interpreter does (never stale copies).
-        self._run: Callable[..., tuple[Any, ...]] = functools.partial(
-            type(fx.GraphModule(module, graph)).forward, module
-        )
+        run = types.MethodType(type(fx.GraphModule(module, graph)).forward, module)
+        self._run: Callable[..., tuple[Any, ...]] = compiler(run) if compiler is not None else run
 
     def __call__(self, env: Mapping[str, Any]) -> tuple[Any, ...]:
         return self._run(*[env[name] for name in self.reads])

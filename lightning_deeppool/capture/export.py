@@ -9,9 +9,10 @@ parameters and buffers become ``get_attr`` nodes of the planned module, symbolic
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import sympy
@@ -47,9 +48,35 @@ def trace_with_export(module: nn.Module, mapping: dict[str, Any]) -> Trace:
         name: pytree.tree_map(lambda leaf: {0: batch} if is_batch_input(leaf) else None, value)
         for name, value in mapping.items()
     }
-    with _quiet():
+    with _quiet(), _named_parameters(module, mapping):
         program = torch.export.export(module, (), mapping, dynamic_shapes=dynamic, strict=False)
     return _rewrite(program, mapping)
+
+
+@contextlib.contextmanager
+def _named_parameters(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """Give ``module.forward`` one keyword parameter per name while exporting: export cannot make
+    arguments gathered by ``**kwargs`` dynamic."""
+    forward = module.forward
+    parameters = inspect.signature(forward).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        yield
+        return
+
+    def named(**kwargs: Any) -> Any:
+        return forward(**kwargs)
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    named.__signature__ = inspect.Signature([inspect.Parameter(n, keyword) for n in names])  # type: ignore[attr-defined]
+    own = module.__dict__.get("forward")
+    module.forward = named  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.capture.codegen import CompiledLayer, compilable
+from lightning_deeppool.capture.codegen import CompiledLayer, Compiler, compilable
 from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.ir.graph import LayerGraph
@@ -77,8 +77,9 @@ class CapturedGraph:
     guards: tuple[fx.Node, ...] = ()
     stochastic: bool = False
     batch_statistics: bool = False
+    compilers: tuple[tuple[str, Compiler], ...] = ()
     _compiled: dict[str, Callable[[dict[str, Any]], tuple[Any, ...]]] = field(
-        default_factory=dict, repr=False, compare=False
+        default_factory=dict, init=False, repr=False, compare=False
     )
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -116,13 +117,14 @@ class CapturedGraph:
             unpack(self, source, values[source], env, nodes)
         run = self._compiled.get(name)
         if run is None:
-            run = self._compiled[name] = self._compile(code)
+            run = self._compiled[name] = self._compile(name, code)
         return run(env)
 
-    def _compile(self, code: LayerCode) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-        """The layer as generated code where that runs it as the interpreter does, else interpreted."""
+    def _compile(self, name: str, code: LayerCode) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+        """The layer as generated code where that runs it as the interpreter does (through the user's
+        compiler of its module, if any), else interpreted."""
         if compilable(code.nodes):
-            return CompiledLayer(self.module, code.nodes, code.outputs)
+            return CompiledLayer(self.module, code.nodes, code.outputs, self._compiler(name))
 
         def interpreted(env: dict[str, Any]) -> tuple[Any, ...]:
             for node in code.nodes:
@@ -130,6 +132,13 @@ class CapturedGraph:
             return tuple(env[output] for output in code.outputs)
 
         return interpreted
+
+    def _compiler(self, name: str) -> Compiler | None:
+        """The compiler of the innermost compiled module holding layer `name` (by its module path)."""
+        layer = next(layer for layer in self.graph.layers if layer.name == name)
+        path = layer.target if layer.op == "call_module" else ""
+        found = [(prefix, compiler) for prefix, compiler in self.compilers if _within(path, prefix)]
+        return max(found, key=lambda item: len(item[0]))[1] if found else None
 
     def run_guards(self, scalars: Mapping[str, Any]) -> None:
         """Check the branches the forward took at capture still hold (raises `GuardError`)."""
@@ -156,6 +165,10 @@ class CapturedGraph:
         for layer in self.graph.layers:
             values[layer.name] = self.run_layer(layer.name, values, batch_size, scalars)
         return values
+
+
+def _within(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
 def unpack(

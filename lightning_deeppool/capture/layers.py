@@ -6,9 +6,10 @@ from one layer to the next must carry the batch first (or be a per-rank reductio
 width); layers that exchange anything else, such as a sequence-first tensor, are merged. At the default
 granularity, ``"layer"``, groups without parameters (an activation, dropout, a residual add, pooling, a
 reshape) join the group whose value they read just before them: a width change around them would only
-cost a redistribution. At ``"module"`` every submodule call stays a layer. Auxiliary nodes (independent
-of the data) are evaluated by each layer that needs them; in-place updates of buffers run once, in the
-layer of the submodule that makes them.
+cost a redistribution. They never make a group that splits by height unsplittable: the pooling and
+flatten of a CNN's head join the head instead. At ``"module"`` every submodule call stays a layer.
+Auxiliary nodes (independent of the data) are evaluated by each layer that needs them; in-place updates
+of buffers run once, in the layer of the submodule that makes them.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _layer_units(
     units = _units(trace, [n for n in classified.nodes if n.name in classified.tainted])
     units = _merge_units(units, classified.kinds, trace.gm.graph)
     if granularity == "layer":
-        units = _join_cheap_units(units, classified.kinds, uses)
+        units = _join_cheap_units(units, trace, classified.kinds, uses)
     return units
 
 
@@ -333,20 +334,53 @@ def _merge_units(units: list[list[fx.Node]], kinds: dict[str, str], graph: fx.Gr
 
 
 def _join_cheap_units(
-    units: list[list[fx.Node]], kinds: dict[str, str], uses: _ParameterUse
+    units: list[list[fx.Node]], trace: Trace, kinds: dict[str, str], uses: _ParameterUse
 ) -> list[list[fx.Node]]:
     """Units without parameters join the unit just before them when they read it, or, before any unit
-    with parameters, the unit just after them when it reads them. Per-rank units join only each other."""
+    with parameters, the unit just after them when it reads them. Per-rank units join only each other.
+    A join never makes a unit that splits by height unsplittable: such a unit (the head's pooling after
+    the last convolution) stays apart and the next unit joins it, where that next unit cannot split
+    either."""
     joined: list[list[fx.Node]] = []
+    splits: list[bool] = []  # per joined unit: whether it splits by height
+    apart: set[int] = set()  # joined units kept apart to keep the one before them splittable
     for unit in units:
         previous = joined[-1] if joined else None
         if previous is not None and not uses.in_unit(unit) and _joinable(previous, unit, kinds):
+            if not splits[-1]:
+                previous.extend(unit)
+                continue
+            if _splits(trace, [*previous, *unit], kinds):
+                previous.extend(unit)
+                continue
+            apart.add(len(joined))
+        elif (
+            previous is not None
+            and len(joined) - 1 in apart
+            and _joinable(previous, unit, kinds)
+            and not _splits(trace, unit, kinds)
+        ):
+            apart.discard(len(joined) - 1)
             previous.extend(unit)
-        else:
-            joined.append(list(unit))
+            continue
+        joined.append(list(unit))
+        splits.append(_splits(trace, unit, kinds))
     while len(joined) > 1 and not uses.in_unit(joined[0]) and _joinable(joined[0], joined[1], kinds):
         joined[0:2] = [joined[0] + joined[1]]
     return joined
+
+
+def _splits(trace: Trace, unit: list[fx.Node], kinds: dict[str, str]) -> bool:
+    """Whether `unit`, as one layer, would split by height (`split_rules.split_shape`)."""
+    inside = set(unit)
+    reads = {
+        s.name: None
+        for n in unit
+        for s in n.all_input_nodes
+        if s not in inside and kinds.get(s.name, "aux") != "aux"
+    }
+    outputs = tuple(n.name for n in unit if any(user not in inside for user in n.users))
+    return split_shape(trace, LayerCode(tuple(unit), outputs, (("", tuple(reads)),)))[0] > 0
 
 
 def _joinable(before: list[fx.Node], after: list[fx.Node], kinds: dict[str, str]) -> bool:

@@ -32,7 +32,12 @@ def first_difference(captured: CapturedGraph, step: Any, inputs: dict[str, Any])
     count = next(iter(batch.values())).shape[0]
     with torch.no_grad(), preserved(captured.module):
         reference = captured.run_all(batch, count, scalars)
-    planned = {name: value for (name, _), value in step.values.items() if name in captured.code}
+    # A layer split by height holds only its rows here: its values are checked by the layers reading it.
+    planned = {
+        name: value
+        for (name, placement), value in step.values.items()
+        if name in captured.code and placement.spatial == 1
+    }
     for layer in captured.graph.layers:
         if layer.name not in planned:
             continue

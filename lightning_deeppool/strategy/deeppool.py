@@ -47,6 +47,7 @@ from lightning_deeppool.strategy.patches import (
     optimizers_to_device,
     patch_scaler_overflow,
     sync_module_states,
+    take_compiler,
     wrap_wait_between_steps,
 )
 from lightning_deeppool.strategy.session import Fit, PlanSession
@@ -218,6 +219,7 @@ class DeepPoolStrategy(DDPStrategy):
                 lambda: self.optimizers,
                 self._log_dir,
                 reads_gradients=reads_gradients(trainer, self.lightning_module),
+                compiler=take_compiler(self.lightning_module),
             )
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())

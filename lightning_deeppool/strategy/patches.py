@@ -12,6 +12,8 @@ changes one fails there, not in a training run:
   there, idle like any wait in the plan, in a collective every rank issues.
 - `clip_by_global_norm`: replaces the precision plugin's `clip_grad_by_norm` on the instance.
 - `replace_forward`: the planned module's `forward` replaced on the instance.
+- `take_compiler`: `trainer.fit(torch.compile(model))` leaves the LightningModule's forward and step
+  methods compiled (`_compiler_ctx`, private); the strategy restores them and compiles its layers.
 - `default_store`, `sync_module_states`, `optimizers_to_device`: private functions of torch and
   Lightning the strategy calls.
 """
@@ -22,17 +24,31 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.utilities.compile import to_uncompiled
 from torch import nn
+
+from lightning_deeppool.install import Compiler
 
 sync_module_states = _sync_module_states  # rank 0's parameters and buffers to every rank (collective)
 optimizers_to_device = _optimizers_to_device
 
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+
+def take_compiler(module: pl.LightningModule) -> Compiler | None:
+    """The compiler of a LightningModule given to `fit` compiled (None if it was not), its forward and
+    step methods restored to their own: dynamo must not trace the strategy's code they call."""
+    context = module._compiler_ctx
+    if context is None:
+        return None
+    to_uncompiled(module)
+    return context["dynamo_ctx"]
 
 
 def default_store() -> dist.Store:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_deeppool.install import InstalledPlan, PlanOptions, install
+from lightning_deeppool.install import Compiler, InstalledPlan, PlanOptions, install
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.runtime.idle import IdleWindows
@@ -33,6 +33,7 @@ class Fit:
     optimizers: Callable[[], Sequence[torch.optim.Optimizer]]
     log_dir: Callable[[], str | None]
     reads_gradients: bool = False  # a hook after backward or before the optimizer step, or clipping
+    compiler: Compiler | None = None  # `fit` was given the LightningModule compiled
 
 
 class PlanSession:
@@ -72,6 +73,7 @@ class PlanSession:
             log_dir=fit.log_dir,
             plan=self.plan,
             reads_gradients=fit.reads_gradients,
+            compiler=fit.compiler,
         )
         self.plan = self.installed.plan
         if self.installed.profile is not None:

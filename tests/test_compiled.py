@@ -1,0 +1,92 @@
+"""Compiled models train under deeppool as on one device, and compiled: with `trainer.fit(torch.compile(
+model))` (Lightning's documented way) and with `torch.compile` applied to a submodule, the planned
+layers they cover run through the user's compiler (a counting backend here) on every rank, and the
+strategy's own code is never traced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import fx
+from torch.utils.data import DataLoader
+
+from lightning_deeppool import DeepPoolStrategy
+
+from distributed import run_distributed
+from models import (
+    SEED,
+    ConvNet,
+    images,
+    join_lightning_world,
+    max_param_diff,
+    parameters,
+    reference_fit,
+    trainer_kwargs,
+)
+
+TOLERANCE = 1e-5
+LOCAL_BATCH = 4
+STEPS = 3
+COMPILED: list[int] = []  # per graph the counting backend compiled in this process, its node count
+
+
+def counting(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    """A `torch.compile` backend that counts the graphs it is given and runs them as they are."""
+    COMPILED.append(len(gm.graph.nodes))
+    return gm.forward
+
+
+class CompiledFeatures(ConvNet):
+    """`ConvNet` whose convolutions are compiled in `__init__`, the head left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.compile(self.features, backend=counting)
+
+
+CASES = {"whole-lightning-module": ConvNet, "submodule": CompiledFeatures}
+
+
+def _model(name: str) -> pl.LightningModule:
+    torch.manual_seed(0)
+    return CASES[name]()
+
+
+def _fit_every_case(rank: int, world: int, root: str) -> dict[str, Any]:
+    join_lightning_world(rank, world)
+    results = {}
+    for name in CASES:
+        model = _model(name)
+        before = len(COMPILED)
+        pl.seed_everything(SEED, verbose=False)
+        strategy = DeepPoolStrategy(
+            plan={"": world, "head": 1}, cache_dir=False, profile_warmup=0, profile_repeats=1
+        )
+        trainer = pl.Trainer(
+            **trainer_kwargs(devices=world, strategy=strategy, default_root_dir=root, max_steps=STEPS)
+        )
+        compiled = torch.compile(model, backend=counting) if name == "whole-lightning-module" else model
+        trainer.fit(compiled, DataLoader(images(STEPS * LOCAL_BATCH * world), batch_size=LOCAL_BATCH))
+        results[name] = {"params": parameters(model), "graphs": len(COMPILED) - before}
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_distributed(_fit_every_case, 2, 2, str(tmp_path_factory.mktemp("compiled")))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_compiled_model_trains_to_one_devices_weights(trained, name):
+    reference = _model(name)
+    reference_fit(reference, images(STEPS * LOCAL_BATCH * 2), 2 * LOCAL_BATCH, max_steps=STEPS)
+    for rank in trained:
+        assert max_param_diff(parameters(reference), rank[name]["params"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_users_compiler_compiles_the_planned_layers_on_every_rank(trained, name):
+    assert all(rank[name]["graphs"] > 0 for rank in trained)
