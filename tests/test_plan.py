@@ -74,6 +74,7 @@ def test_json_has_the_documented_keys():
         "predicted_step_time_s",
         "predicted_ddp_step_time_s",
         "graph_fingerprint",
+        "limited",
         "layers",
     }
     assert set(data["layers"][0]) == {

@@ -11,6 +11,7 @@ from lightning_deeppool.ir.graph import Tied
 from lightning_deeppool.ir.placement import Placement, per_device_batch
 from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.plan import plan_with_widths
 from lightning_deeppool.planner.search import (
     _memory,
     amplification,
@@ -97,7 +98,7 @@ def test_with_an_amplification_limit_the_plan_is_optimal_among_allowed_widths(se
         item.name: [
             w
             for w in range(1, world_size + 1)
-            if w == 1
+            if w in (1, min(world_size, batch))
             or cost.compute_time(profile, item, 1, batch) < 1e-4
             or amplification(profile, item, w, batch) <= 2.0
         ]
@@ -109,7 +110,7 @@ def test_with_an_amplification_limit_the_plan_is_optimal_among_allowed_widths(se
 
 
 @pytest.mark.parametrize("limit", [1.0, 1.5, 2.0, 4.0])
-def test_amplification_limit_is_never_violated_by_any_layer(limit):
+def test_amplification_limit_is_never_violated_by_any_layer_below_full_width(limit):
     for seed in range(10):
         graph, profile, world_size, batch = random_case(seed, random_dag, max_layers=8, max_world=6)
         plan = search(
@@ -121,7 +122,44 @@ def test_amplification_limit_is_never_violated_by_any_layer(limit):
             exempt_below_s=0,
         )
         for item in graph.layers:
-            assert amplification(profile, item, plan.width(item.name), batch) <= limit, item.name
+            width = plan.width(item.name)
+            assert width == min(world_size, batch) or amplification(profile, item, width, batch) <= limit
+
+
+@pytest.mark.parametrize("limit", [1.0, 1.5, 2.0])
+def test_the_plan_is_never_predicted_slower_than_full_width(limit):
+    for seed in range(20):
+        graph, profile, world_size, batch = random_case(seed, random_dag, max_layers=8, max_world=6)
+        sizes = dict(world_size=world_size, global_batch_size=batch, amplification_limit=limit)
+        plan = search(graph, profile, **sizes, exempt_below_s=0)
+        full = plan_with_widths(
+            graph,
+            profile,
+            dict.fromkeys((item.name for item in graph.layers), min(world_size, batch)),
+            **sizes,
+        )
+        assert plan.predicted_step_time_s <= full.predicted_step_time_s * (1 + 1e-12)
+
+
+def test_data_parallelism_is_exempt_from_the_amplification_limit():
+    # Every layer takes 4x as long per device at full width as alone (launch-bound), far over the limit,
+    # but the full-width plan moves nothing: it is the fastest and must stay a candidate.
+    graph = chain(3, sample_bytes=1 << 20)
+    profile = linear_profile(
+        graph, dict.fromkeys((item.name for item in graph.layers), (1e-3, 0.0)), max_batch=8
+    )
+    plan = search(graph, profile, world_size=4, global_batch_size=8, amplification_limit=2.0)
+    assert set(plan.widths().values()) == {4}
+    assert plan.limited == ("l0", "l1", "l2")
+
+
+def test_the_plan_names_the_layers_the_limit_constrained():
+    graph = chain(3, sample_bytes=1 << 20)
+    profile = linear_profile(graph, {"l0": (1e-3, 1e-3), "l1": (1e-3, 0.0), "l2": (1e-3, 1e-3)}, max_batch=8)
+    plan = search(graph, profile, world_size=4, global_batch_size=8, amplification_limit=2.0)
+    assert plan.limited == ("l1",)
+    assert "amplification limit 2 kept 1 layers from some widths: l1" in plan.table()
+    assert type(plan).from_json(plan.to_json()).limited == ("l1",)
 
 
 def test_layers_faster_than_the_exemption_threshold_may_exceed_the_limit():
@@ -131,7 +169,8 @@ def test_layers_faster_than_the_exemption_threshold_may_exceed_the_limit():
     exempt = search(graph, profile, world_size=4, global_batch_size=8)
     strict = search(graph, profile, world_size=4, global_batch_size=8, exempt_below_s=0)
     assert exempt.widths() == {"l0": 4, "l1": 4, "l2": 4}
-    assert strict.width("l1") == 2  # flat time: 2 devices spend exactly twice the device-time, the limit
+    assert exempt.limited == ()
+    assert strict.limited == ("l1",)  # flat time: 3 devices spend three times the device-time
 
 
 def vgg_like():

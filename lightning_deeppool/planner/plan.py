@@ -61,6 +61,7 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     optimizer_s: float = 0.0
     sync_wait_s: float = 0.0
+    limited: tuple[str, ...] = ()  # layers the amplification limit kept from some placements
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -110,6 +111,7 @@ class Plan:
             "graph_fingerprint": self.graph_fingerprint,
             "optimizer_s": self.optimizer_s,
             "sync_wait_s": self.sync_wait_s,
+            "limited": list(self.limited),
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -131,6 +133,7 @@ class Plan:
             layers=tuple(LayerPlan(**layer) for layer in data["layers"]),
             optimizer_s=float(data.get("optimizer_s", 0.0)),
             sync_wait_s=float(data.get("sync_wait_s", 0.0)),
+            limited=tuple(data.get("limited", ())),
         )
 
     def to_json(self) -> str:
@@ -190,6 +193,14 @@ class Plan:
             f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer})",
             "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
         ]
+        if self.limited:
+            shown = ", ".join(self.limited[:6]) + (
+                f" and {len(self.limited) - 6} more" if len(self.limited) > 6 else ""
+            )
+            footer.append(
+                f"amplification limit {self.amplification_limit:g} kept {len(self.limited)} layers from some "
+                f"widths: {shown}"
+            )
         return "\n".join([*aligned([header, *rows], left=2), *footer])
 
     def check_matches(self, graph: LayerGraph, world_size: int) -> None:
@@ -254,9 +265,11 @@ def plan_with_widths(
     world_size: int,
     global_batch_size: int,
     amplification_limit: float,
+    limited: tuple[str, ...] = (),
 ) -> Plan:
     """Cost a given assignment into a Plan: per layer (every one) a width in 1..N, a `Placement`, or a
-    mapping ``{"width": w, "spatial": s}``, checked as `validate_plan` checks a plan."""
+    mapping ``{"width": w, "spatial": s}``, checked as `validate_plan` checks a plan; `limited` names
+    the layers the amplification limit constrained."""
     checks.check_sizes(world_size, global_batch_size, graph)
     checks.check_profile(graph, profile)
     names = {layer.name for layer in graph.layers}
@@ -286,6 +299,7 @@ def plan_with_widths(
         predicted_ddp_step_time_s=ddp.total_s + profile.per_step_s,
         optimizer_s=profile.optimizer_s,
         sync_wait_s=profile.comm.sync_wait_s,
+        limited=limited,
         graph_fingerprint=graph.fingerprint,
         layers=tuple(
             LayerPlan(

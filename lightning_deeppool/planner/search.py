@@ -170,12 +170,13 @@ def search(
     """The plan with the least predicted step time.
 
     Hard constraints: every unpinned layer whose time at width 1 is at least ``exempt_below_s`` keeps
-    ``time(w) * w <= amplification_limit * time(1)`` at its placement (width 1 always qualifies;
-    ``inf`` disables it); pinned layers take their pin's placement unchecked (the user's choice; `pins`
-    as `resolve_pins` reads them); where the profile has memory, rank 0's estimated bytes stay within
+    ``time(w) * w <= amplification_limit * time(1)`` at its placement (width 1 and data parallelism,
+    full width unsplit, always qualify; ``inf`` disables it; the plan names the layers it constrained);
+    pinned layers take their pin's placement unchecked (the user's choice; `pins` as `resolve_pins`
+    reads them); where the profile has memory, rank 0's estimated bytes stay within
     ``memory_budget_bytes`` (Lagrangian relaxation). When the best plan is predicted to beat every
     unpinned layer at full width (N, or B devices when the batch is smaller: data parallelism) by less
-    than `min_gain` (a fraction), and full width meets the constraints, full width is returned;
+    than `min_gain` (a fraction), full width is returned (never a plan predicted slower than it);
     otherwise each run of layers of one placement is widened (to full width, else to a neighbouring
     run's placement: more devices, or as many with fewer spatial parts) while the predicted step stays
     within `tie_tolerance` of the best.
@@ -212,7 +213,9 @@ def search(
     sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     if memory_budget_bytes is None:
         placements = _prefer_wide(graph, profile, tables, placements, min_gain, tie_tolerance, **sizes)
-    return plan_with_widths(graph, profile, placements, amplification_limit=amplification_limit, **sizes)
+    return plan_with_widths(
+        graph, profile, placements, amplification_limit=amplification_limit, limited=tables.limited, **sizes
+    )
 
 
 def _prefer_wide(
@@ -288,6 +291,7 @@ class _Tables:
     edges: list[list[tuple[str, np.ndarray]]]  # per layer: (producer layer, (C, allowed) transfer s)
     last_use: dict[str, int]  # layer -> position of its last consumer (absent: none)
     names: list[str]
+    limited: tuple[str, ...]  # layers the amplification limit kept from some placements
 
     @classmethod
     def build(
@@ -316,7 +320,8 @@ class _Tables:
         transfer = _TransferTable(profile, placements, world_size, global_batch_size)
         outputs = set(cost.output_layers(graph))
 
-        allowed, own, memory, edges = [], [], [], []
+        widest = min(world_size, global_batch_size)
+        allowed, own, memory, edges, limited = [], [], [], [], []
         for layer in graph.layers:
             halo = cost.halo_share(graph, layer)
             if layer.name in pinned:
@@ -327,6 +332,10 @@ class _Tables:
                 times = _times(profile, layer, idx, batches, spatial, halo)
                 alone = float(times[widths[idx] == 1][0])
                 ok = _within_limit(times, widths[idx], alone, amplification_limit, exempt_below_s)
+                # Data parallelism is exempt, as DDP is: no plan is ever denied it.
+                ok |= (widths[idx] == widest) & (spatial[idx] == 1)
+                if not ok.all():
+                    limited.append(layer.name)
                 idx, times = idx[ok], times[ok]
             sync = np.array([cost.sync_time(profile.comm, layer, int(w)) for w in widths[idx]])
             halos = [cost.halo_time(profile.comm, layer, placements[i], global_batch_size) for i in idx]
@@ -347,7 +356,8 @@ class _Tables:
             memory.append(_memory(profile, layer, batches[idx], spatial[idx], halo))
             edges.append(layer_edges)
         last_use = {name: k for k, layer in enumerate(graph.layers) for name in layer.inputs}
-        return cls(placements, allowed, own, memory, edges, last_use, [layer.name for layer in graph.layers])
+        names = [layer.name for layer in graph.layers]
+        return cls(placements, allowed, own, memory, edges, last_use, names, tuple(limited))
 
 
 def _times(
