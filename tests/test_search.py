@@ -237,6 +237,15 @@ def test_pinned_layers_are_not_held_to_the_amplification_limit():
     assert amplification(flat, graph.layer("head"), 4, 8) == 4
 
 
+def test_pins_name_the_layers_of_a_compiled_submodule_as_the_user_wrote_them():
+    graph = graph_of(
+        [dataclasses.replace(layer("l0", ["x"]), target="body._orig_mod.0"), layer("head", ["l0"])]
+    )
+    profile = linear_profile(graph, {"l0": (1e-3, 1e-3), "head": (1e-3, 1e-3)}, max_batch=8)
+    plan = search(graph, profile, world_size=4, global_batch_size=8, pins={"body.0": 1, "head": 2})
+    assert plan.widths() == {"l0": 1, "head": 2}
+
+
 def test_an_unknown_pin_is_an_error_listing_valid_module_names():
     graph, profile = pinned_case()
     with pytest.raises(

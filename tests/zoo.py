@@ -499,7 +499,7 @@ CASES: dict[str, Case] = {
         },
     ),
     "fit-given-a-compiled-model": Case(ConvNet, images, _pins("head", "features.2"), compiled=True),
-    "compiled-submodule": Case(CompiledBody, images, _pins("head", "features._orig_mod.2")),
+    "compiled-submodule": Case(CompiledBody, images, _pins("head", "features.2")),
     "submodules-named-like-graph-module-attributes": Case(ReservedNames, images, _pins("code", "meta")),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}

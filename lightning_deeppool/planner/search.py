@@ -94,9 +94,10 @@ def resolve_pins(
 ) -> dict[str, Placement]:
     """Placement of every pinned layer. A pin is a width (int), a `Placement` or a mapping
     ``{"width": 4, "spatial": 2}`` (4 devices: 2 sample groups, each sample in 2 parts). A pin matches
-    a layer whose module or name equals the prefix or starts with ``prefix + "."``; ``""`` matches
-    everything; the longest matching prefix wins. Every layer a pin decides must be able to run at it
-    (`checks.check_placement`, with `global_batch_size` when given)."""
+    a layer whose module (also without the ``_orig_mod`` of a compiled submodule) or name equals the
+    prefix or starts with ``prefix + "."``; ``""`` matches everything; the longest matching prefix
+    wins. Every layer a pin decides must be able to run at it (`checks.check_placement`, with
+    `global_batch_size` when given)."""
     if not pins:
         return {}
     placements = {}
@@ -110,7 +111,7 @@ def resolve_pins(
         placements[prefix] = placement
 
     def matches(prefix: str, layer: Layer) -> bool:
-        keys = [key for key in (layer.module, layer.name) if key is not None]
+        keys = [key for key in (layer.module, _uncompiled(layer.module), layer.name) if key is not None]
         return prefix == "" or any(key == prefix or key.startswith(prefix + ".") for key in keys)
 
     for prefix in pins:
@@ -135,6 +136,11 @@ def resolve_pins(
                 raise ValueError(f"pin {prefix!r}: {err}") from None
             resolved[layer.name] = placements[prefix]
     return resolved
+
+
+def _uncompiled(module: str | None) -> str | None:
+    """A module path as the user wrote it: without the ``_orig_mod`` that `torch.compile` inserts."""
+    return module.replace("._orig_mod", "").removeprefix("_orig_mod.") if module else module
 
 
 def full_width_layers(graph: LayerGraph, world_size: int) -> dict[str, Placement]:
