@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_deeppool import BackgroundJob, BackgroundTrainers, DeepPoolStrategy
 from lightning_deeppool.background.job import run_standalone
 
-from vs_ddp import FIXED_MALLOC, StepTimer, VGGLike
+from vs_ddp import FIXED_MALLOC, StepTimer, VGGLike, quiet_trainer
 
 RESULTS = Path(__file__).parent / "results" / "background.json"
 PLANS = {"long": {"features": "all", "head": 1}, "short": {"": "all"}, "auto": None}
@@ -127,16 +127,12 @@ def foreground(
     callbacks: list[Callback] = [BackgroundTrainers(jobs, max_slowdown=max_slowdown)] if jobs else []
     callbacks.append(StepTimes(out))
     pl.seed_everything(0)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator=accelerator,
         devices=devices,
         strategy=strategy_for(plan, devices, cache),
         max_steps=steps,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=str(out),
     )
     trainer.fit(VGGLike(), DataLoader(images(batch * devices * steps), batch_size=batch))

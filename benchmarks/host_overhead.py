@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_deeppool
 from lightning_deeppool.strategy import deeppool as deeppool_strategy
 
-from vs_ddp import FIXED_MALLOC, StepTimer
+from vs_ddp import FIXED_MALLOC, StepTimer, quiet_trainer
 
 CONFIGS = ("one_process", "ddp", "deeppool_full_width", "deeppool_last_narrow", "deeppool_several_narrow")
 RESULTS = Path(__file__).parent / "results" / "host_overhead.json"
@@ -153,16 +153,8 @@ def run_one(config: str, depth: int, steps: int, count: bool, out: Path) -> None
         plan=pins(config, depth), cache_dir=False
     )
     timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, _CountSteadySteps(counts)],
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, max_steps=steps, callbacks=[timer, _CountSteadySteps(counts)]
     )
     data = TensorDataset(torch.randn(LOCAL_BATCH * 2 * (steps + 2), WIDTH))
     trainer.fit(Chain(depth), DataLoader(data, batch_size=LOCAL_BATCH * 2 // devices))

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool
 
-from vs_ddp import FIXED_MALLOC, StepTimer
+from vs_ddp import FIXED_MALLOC, StepTimer, quiet_trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from large_images import CLASSES, SegNet  # what is measured is the example users copy
@@ -89,17 +89,7 @@ def run_one(config: str, batch: int, steps: int, out: Path) -> None:
         "deeppool": lightning_deeppool.DeepPoolStrategy(shared_batch=shared, cache_dir=False),
     }[config]
     timer, memory = StepTimer(), PeakMemory(first=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, memory],
-    )
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, callbacks=[timer, memory])
     local = batch if shared or devices == 1 else batch // devices
     trainer.fit(SegNet(), DataLoader(_data(batch * (steps + 2)), batch_size=local))
     result: dict[str, Any] = {

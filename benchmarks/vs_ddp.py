@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -209,6 +210,13 @@ class StepTimer(pl.Callback):
         self._last = now
 
 
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A Trainer that only trains (no logger, checkpoints, progress bar or summary), on CPU unless
+    `accelerator` says otherwise: what every benchmark measures under."""
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return pl.Trainer(**{"accelerator": "cpu", **quiet, "enable_model_summary": False, **kwargs})
+
+
 # Profiling frees large blocks, after which glibc raises its mmap threshold for the rest of the
 # process: a run that profiled would allocate faster than one that did not (20% of a step here).
 # Fixed thresholds give every configuration the same allocator.
@@ -227,17 +235,7 @@ def run_one(model_name: str, config: str, steps: int, out: Path) -> None:
         plan = {"": 2} if config == "deeppool_full_width" else None
         strategy = lightning_deeppool.DeepPoolStrategy(plan=plan, cache_dir=False)
     timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=steps, callbacks=[timer])
     trainer.fit(make_model(), DataLoader(data, batch_size=16))
     warm = timer.times[5:]
     result = {
