@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.capture.codegen import CompiledLayer, Compiler, compilable
 from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
-from lightning_deeppool.ir.graph import LayerGraph
+from lightning_deeppool.ir.graph import LayerGraph, under
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,9 @@ class CapturedGraph:
 
     def _compiler(self, name: str) -> Compiler | None:
         """The compiler of the innermost compiled module holding layer `name` (by its module path)."""
-        layer = next(layer for layer in self.graph.layers if layer.name == name)
+        layer = self.graph.layer(name)
         path = layer.target if layer.op == "call_module" else ""
-        found = [(prefix, compiler) for prefix, compiler in self.compilers if _within(path, prefix)]
+        found = [(prefix, compiler) for prefix, compiler in self.compilers if under(path, prefix)]
         return max(found, key=lambda item: len(item[0]))[1] if found else None
 
     def run_guards(self, scalars: Mapping[str, Any]) -> None:
@@ -165,10 +165,6 @@ class CapturedGraph:
         for layer in self.graph.layers:
             values[layer.name] = self.run_layer(layer.name, values, batch_size, scalars)
         return values
-
-
-def _within(path: str, prefix: str) -> bool:
-    return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
 def unpack(

@@ -347,10 +347,7 @@ def _join_cheap_units(
     for unit in units:
         previous = joined[-1] if joined else None
         if previous is not None and not uses.in_unit(unit) and _joinable(previous, unit, kinds):
-            if not splits[-1]:
-                previous.extend(unit)
-                continue
-            if _splits(trace, [*previous, *unit], kinds):
+            if not splits[-1] or _splits(trace, [*previous, *unit], kinds):
                 previous.extend(unit)
                 continue
             apart.add(len(joined))

@@ -164,6 +164,11 @@ class LayerGraph:
         )
 
 
+def under(path: str, prefix: str) -> bool:
+    """Whether module `path` is `prefix` or inside it (``""`` holds every path)."""
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
 def _layer_dict(layer: Layer) -> dict[str, Any]:
     data = {**asdict(layer), "inputs": list(layer.inputs)}
     for key in ("per_rank", "height", "halo_bytes"):

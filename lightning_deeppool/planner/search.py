@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_deeppool.ir.graph import Layer, LayerGraph
+from lightning_deeppool.ir.graph import Layer, LayerGraph, under
 from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import checks, cost
@@ -112,7 +112,7 @@ def resolve_pins(
 
     def matches(prefix: str, layer: Layer) -> bool:
         keys = [key for key in (layer.module, _uncompiled(layer.module), layer.name) if key is not None]
-        return prefix == "" or any(key == prefix or key.startswith(prefix + ".") for key in keys)
+        return any(under(key, prefix) for key in keys)
 
     for prefix in pins:
         if not any(matches(prefix, layer) for layer in graph.layers):
