@@ -9,9 +9,9 @@ steps after warm-up, the slowest rank's, then the median over runs. The per-laye
 time's growth from 8 to 24 layers over 16.
 
 A separate, untimed run of each configuration counts what one steady-state step calls, by call site
-(the first frame outside torch): collectives of `torch.distributed`, round trips to the process
-group's key-value store, and the host reads of tensor values (`item`, `tolist`, `__bool__`, `cpu`,
-`numpy`) that on a GPU wait for the device.
+(the first frame outside torch): collectives of `torch.distributed`, the ranks' meetings
+(`CallAgreement`), round trips to the process group's key-value store, and the host reads of tensor
+values (`item`, `tolist`, `__bool__`, `cpu`, `numpy`) that on a GPU wait for the device.
 
     python benchmarks/host_overhead.py [--depths 8 24] [--runs 5] [--steps 300]
 
@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool
-from lightning_deeppool.strategy import deeppool as deeppool_strategy
+from lightning_deeppool.strategy.call_agreement import CallAgreement
 
 from vs_ddp import FIXED_MALLOC, StepTimer, quiet_trainer
 
@@ -117,17 +117,10 @@ def instrument(counts: Counts) -> None:
         setattr(dist, name, counts.wrap(f"collective {name}", getattr(dist, name)))
     for name in HOST_READS:
         setattr(torch.Tensor, name, counts.wrap(f"host read {name}", getattr(torch.Tensor, name)))
-    default_store = deeppool_strategy.default_store
-    deeppool_strategy.default_store = lambda: _CountedStore(default_store(), counts)  # type: ignore[assignment]
-
-
-class _CountedStore:
-    """The process group's store, its round trips counted."""
-
-    def __init__(self, store: dist.Store, counts: Counts) -> None:
-        self._store = store
+    for store in (dist.PrefixStore, dist.TCPStore):
         for name in STORE_CALLS:
-            setattr(self, name, counts.wrap(f"store {name}", getattr(store, name)))
+            setattr(store, name, counts.wrap(f"store {name}", getattr(store, name)))
+    CallAgreement._meet = counts.wrap("meeting", CallAgreement._meet)  # type: ignore[method-assign]
 
 
 class _CountSteadySteps(pl.Callback):
@@ -222,7 +215,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     """Step times per depth, the per-layer slope, and totals per step by kind at the largest depth."""
     configs = summary["configs"]
     depths = sorted(int(d) for d in next(iter(configs.values()))["step_time_ms"])
-    kinds = ("collective", "store", "host read")
+    kinds = ("collective", "meeting", "store", "host read")
     head = " | ".join([*(f"step, {d} layers" for d in depths), "per layer", *(f"{k}s / step" for k in kinds)])
     lines = [f"| configuration | {head} |", "| --- |" + " ---: |" * (len(depths) + 1 + len(kinds))]
     for config, entry in configs.items():

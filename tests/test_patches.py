@@ -7,7 +7,6 @@ import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.precision import Precision
@@ -19,7 +18,6 @@ from lightning_deeppool.strategy.patches import (
     SIGTERM_BROADCAST,
     agree_on_overflow,
     clip_by_global_norm,
-    default_store,
     optimizers_to_device,
     own_forward,
     replace_forward,
@@ -97,24 +95,6 @@ def test_a_replaced_forward_serves_calls_until_restored_and_the_own_one_inside_o
     assert module(x) == "replaced"
     restore_forward(module)
     assert torch.equal(module(x), own(x))
-
-
-def _store_round_trip(rank: int) -> list[bytes]:
-    store = default_store()
-    store.set(f"key/{rank}", f"value {rank}")
-    store.add("count", 1)
-    dist.barrier()
-    found = store.multi_get([f"key/{r}" for r in range(2)])
-    store.wait(["count"])
-    decided = store.compare_set("decision", "", f"rank {rank}")
-    dist.barrier()
-    return [*found, store.get("count"), bytes(store.check(["decision"])), decided[:4]]
-
-
-def test_the_default_store_has_what_the_call_agreement_uses():
-    first, second = run_distributed(_store_round_trip, 2)
-    assert first[:3] == second[:3] == [b"value 0", b"value 1", b"2"]
-    assert first[4] == second[4] == b"rank"
 
 
 def _synced(rank: int) -> list[float]:

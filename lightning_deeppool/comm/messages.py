@@ -6,6 +6,7 @@ over Unix sockets, written and read by the calling thread: gloo's point-to-point
 thread of its own in each process, which on busy CPU cores waits for one, and posting a message then
 blocks (measured on 2 cores: 2 ms at the 90th percentile, up to 8 ms); its sums and gathers are
 exchanges of messages. `connect_local_links` says whether a run has links. Callers see only `Messages`.
+`SmallGather` gathers a few bytes from every rank over links of its own, whatever the device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -190,6 +192,7 @@ class _Transfer:
             for rank, t in zip(outgoing, self.keep)
         }
         self.receives = {links.sockets[rank]: _Receive(rank, t) for rank, t in incoming.items()}
+        self.peers = {links.sockets[rank]: rank for rank in outgoing}
 
     def progress(self) -> bool:
         """Send and receive what the sockets take now; whether anything moved."""
@@ -200,6 +203,8 @@ class _Transfer:
                     sent = link.send(pieces[0])
                 except BlockingIOError:
                     break
+                except OSError as err:  # a broken pipe, a reset connection: the peer's process is gone
+                    raise _closed(self.peers[link]) from err
                 moved = True
                 pieces[0] = pieces[0][sent:]
                 if not len(pieces[0]):
@@ -247,8 +252,10 @@ class _Receive:
                 count = link.recv_into(self.pieces[0])
             except BlockingIOError:
                 return moved
+            except OSError as err:
+                raise _closed(self.rank) from err
             if count == 0:
-                raise ConnectionError(f"rank {self.rank} closed its link mid-step")
+                raise _closed(self.rank)
             moved = True
             self.pieces[0] = self.pieces[0][count:]
             if not len(self.pieces[0]):
@@ -267,6 +274,12 @@ class _Receive:
                 f"{self.buffer.nbytes} ({tuple(self.buffer.shape)} {self.buffer.dtype}): the ranks "
                 "disagree on the step's messages"
             )
+
+
+def _closed(rank: int) -> ConnectionError:
+    return ConnectionError(
+        f"rank {rank} closed its link mid-step: its process stopped (its own error says why)"
+    )
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -307,12 +320,39 @@ def gather_over(messages: Messages, mine: torch.Tensor, ranks: Sequence[int], in
 def connect_local_links(device: torch.device) -> LocalLinks | None:
     """`LocalLinks` between every two ranks when all run on the CPU of this host under gloo (Linux),
     else None (messages then go by `GroupMessages`). Collective."""
+    one_host = _one_host()
+    cpu_gloo = device.type == "cpu" and dist.get_backend() == "gloo"
+    return LocalLinks.connect() if one_host and cpu_gloo else None
+
+
+class SmallGather:
+    """Every rank's small CPU tensor (the same shape on each), stacked in rank order on every rank
+    (`__call__`, collective): over `LocalLinks` where every rank runs on this host, whatever its
+    device, else over a gloo group of their own. Built collectively; `close` ends it."""
+
+    def __init__(self, timeout_s: float = 1800.0) -> None:
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.ranks = list(range(world))
+        self._group = None
+        self.messages: Messages
+        if _one_host():
+            self.messages = LocalLinks.connect(timeout_s)
+        else:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.messages = GroupMessages(self._group)
+
+    def __call__(self, mine: torch.Tensor) -> torch.Tensor:
+        return gather_over(self.messages, mine, self.ranks, self.rank)
+
+    def close(self) -> None:
+        self.messages.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+
+def _one_host() -> bool:
+    """Whether every rank runs on this host, a Linux one (where `LocalLinks` reach). Collective."""
     host = [None] * dist.get_world_size()
     dist.all_gather_object(host, socket.gethostname())
-    one_cpu_host = (
-        device.type == "cpu"
-        and dist.get_backend() == "gloo"
-        and sys.platform.startswith("linux")
-        and len(set(host)) == 1
-    )
-    return LocalLinks.connect() if one_cpu_host else None
+    return sys.platform.startswith("linux") and len(set(host)) == 1

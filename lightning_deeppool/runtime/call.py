@@ -1,8 +1,8 @@
 """What each rank brings to a planned forward call, and the checks every rank makes on all of them.
 
 A call is *prepared* on its rank alone (its inputs bound to the captured graph, summarized in a `Row`);
-the rows are then exchanged (through the call agreement's store, or an all-gather) and *checked* the
-same way on every rank, so a bad call fails on every rank instead of hanging the others.
+the rows are then exchanged (where the ranks meet in the call agreement, or by an all-gather) and
+*checked* the same way on every rank, so a bad call fails on every rank instead of hanging the others.
 """
 
 from __future__ import annotations

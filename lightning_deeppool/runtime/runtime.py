@@ -94,6 +94,7 @@ class BurstRuntime:
         self.shared = shared
         self.keep_last_step = False
         self.last_step: _CallState | None = None
+        self.running: Action | None = None  # the action a failure stopped the schedule at, if any
         self._last_pass = False
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
         self._captured_samples = [
@@ -167,16 +168,13 @@ class BurstRuntime:
             meta[layer.name] = value_meta(values[layer.name], known.per_rank, rows)
         return meta
 
-    @property
-    def last_action(self) -> Action | None:
-        """The action running, or the last one run."""
-        return self.windows.action  # type: ignore[return-value]
-
     def _run(self, step: _CallState, actions: Sequence[Action]) -> None:
         for action in actions:
             self.windows.enter(action)
+            self.running = action
             with torch.profiler.record_function(f"deeppool:{action}"):
                 self._handlers[action.kind](step, action)
+        self.running = None
 
     def _forward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]

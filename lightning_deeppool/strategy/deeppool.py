@@ -9,7 +9,6 @@ every layer, so it holds every parameter and all optimizer state: checkpoints ar
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_deeppool.comm.messages import SmallGather
 from lightning_deeppool.install import PlanOptions
 from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.plan import Plan
@@ -43,7 +43,6 @@ from lightning_deeppool.strategy.hooks import (
 )
 from lightning_deeppool.strategy.patches import (
     clip_by_global_norm,
-    default_store,
     optimizers_to_device,
     patch_scaler_overflow,
     sync_module_states,
@@ -147,6 +146,7 @@ class DeepPoolStrategy(DDPStrategy):
         self.idle_windows = IdleWindows()
         self.session = PlanSession(options, self.idle_windows)
         self._calls: ForwardCalls | None = None
+        self._gather: SmallGather | None = None  # where the ranks meet (`CallAgreement`)
         self._sync_gradients = True
         self._failed = False
         self._restore_between_steps: Callable[[], None] | None = None
@@ -236,9 +236,9 @@ class DeepPoolStrategy(DDPStrategy):
     def _agreement(self) -> CallAgreement | None:
         if self.world_size < 2:
             return None
-        prefix = self.broadcast(f"deeppool/{uuid.uuid4().hex}")
         timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        return CallAgreement(default_store(), prefix, self.global_rank, self.world_size, timeout_s)
+        self._gather = SmallGather(timeout_s)
+        return CallAgreement(self._gather, self.global_rank, self.world_size)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -296,6 +296,9 @@ class DeepPoolStrategy(DDPStrategy):
         if self._calls is not None:
             self._calls.close()
             self._calls = None
+        if self._gather is not None:
+            self._gather.close()
+            self._gather = None
         self.session.end_fit()
         if self._refresh_for_evaluation in self._trainer_callbacks:
             self._trainer_callbacks.remove(self._refresh_for_evaluation)
@@ -313,10 +316,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._failed = True
         if not hasattr(exception, "add_note"):
             return
-        reported = self._calls.agreement.reported() if self._calls and self._calls.agreement else None
-        if reported and reported not in str(exception):
-            exception.add_note(f"deeppool: another rank stopped first: {reported}")
-        elif lost_connection(exception):
+        if lost_connection(exception):
             exception.add_note(
                 f"deeppool: rank {self.global_rank} lost its connection to the other ranks: another rank "
                 "stopped first, and its error says why"
@@ -328,7 +328,7 @@ class DeepPoolStrategy(DDPStrategy):
                 "broadcast); every rank must issue the same ones, in the same order"
             )
         runtime = self.session.installed.runtime if self.session.installed is not None else None
-        action = runtime.last_action if runtime is not None else None
+        action = runtime.running if runtime is not None else None
         if action is not None:
             exception.add_note(
                 f"deeppool: rank {self.global_rank} was running action {action} of the plan's schedule"
@@ -353,7 +353,7 @@ class DeepPoolStrategy(DDPStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self.session.step_times.backward(), self._blocked():
+        with self.session.step_times.backward():
             with self._calls.backward(last=self._sync_gradients):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             if self._sync_gradients:
@@ -387,8 +387,7 @@ class DeepPoolStrategy(DDPStrategy):
                 result = closure()
             if calls is not None:
                 calls.check_installed()
-                with self._blocked():
-                    calls.sync_gradients(optimizer)
+                calls.sync_gradients(optimizer)
             return result
 
         with self.session.step_times.work():
@@ -400,24 +399,20 @@ class DeepPoolStrategy(DDPStrategy):
     @contextmanager
     def _between_steps(self) -> Generator[None, None, None]:
         """Lightning's wait for rank 0 before each step: idle time, and a collective every rank issues."""
-        with self.idle_windows.window("between_steps"), self._blocked("broadcast", hook="between steps"):
+        with self.idle_windows.window("between_steps"), self._collective("broadcast", hook="between steps"):
             yield
 
     @contextmanager
-    def _blocked(self, issued: str = "", hook: str | None = None) -> Generator[None, None, None]:
-        """This rank may wait for the others here (a collective). One `issued` through Lightning (the
-        operation's name) is counted, and named for the other ranks by the hook that issued it: every
-        rank must issue the same ones in the same order."""
-        if issued:
-            hook = hook or getattr(self.lightning_module, "_current_fx_name", None) or "Lightning"
-            hook = f"{hook} ({issued})"
+    def _collective(self, issued: str, hook: str | None = None) -> Generator[None, None, None]:
+        """A collective `issued` through Lightning (the operation's name), named by the hook that
+        issued it. Where the ranks meet (`CallAgreement`), they first check every rank issues this one."""
+        hook = hook or getattr(self.lightning_module, "_current_fx_name", None) or "Lightning"
+        hook = f"{hook} ({issued})"
         agreement = self._calls.meeting if self._calls is not None else None
+        if agreement is not None:
+            agreement.before_collective(hook)
         try:
-            if agreement is None:
-                yield
-            else:
-                with agreement.blocked(hook or ""):
-                    yield
+            yield
         except BaseException:
             self._failed_collective = self._failed_collective or hook
             raise
@@ -425,7 +420,7 @@ class DeepPoolStrategy(DDPStrategy):
     # Lightning's own collectives (`self.log(sync_dist=True)`, `self.all_gather`, ...) block too.
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._blocked(issued="reduce"):
+        with self._collective("reduce"):
             result = super().reduce(tensor, *args, **kwargs)
         installed = self.session.installed
         stale = self._calls is not None and self._calls.stale_anywhere
@@ -435,17 +430,17 @@ class DeepPoolStrategy(DDPStrategy):
 
     @override
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        with self._blocked(issued="all_gather"):
+        with self._collective("all_gather"):
             return super().all_gather(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._blocked(issued="broadcast"):
+        with self._collective("broadcast"):
             return super().broadcast(obj, src)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._blocked(issued="barrier"):
+        with self._collective("barrier"):
             super().barrier(*args, **kwargs)
 
     # ------------------------------------------------------------------------ forward takeover

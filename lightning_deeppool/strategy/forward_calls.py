@@ -95,8 +95,8 @@ class ForwardCalls:
             yield
         finally:
             self.in_training_step = False
-            if meeting is not None:
-                meeting.end_step()
+        if meeting is not None:  # not after a failure: the others may be meeting elsewhere, or gone
+            meeting.end_step()
 
     # ---------------------------------------------------------------------------------- calls
     def _planned(
@@ -159,8 +159,17 @@ class ForwardCalls:
         not synchronized. Every rank ran the same step, so every rank raises here."""
         if self.session.installed is not None or self.agreement is None:
             return
+        name = type(self.target).__name__
+        alone_among = self.agreement.alone_among
+        if alone_among:
+            raise RuntimeError(
+                f"deeppool: no call of {name}.forward in the training step was made by every rank at the "
+                f"same point of the step, so none ran the plan and no plan was installed. When this rank's "
+                f"call ran alone: {alone_among}. Make the planned call on every rank, with the same "
+                "collectives (self.log(..., sync_dist=True), ...) before it on every rank"
+            )
         raise RuntimeError(
-            f"deeppool: the training step did not call {type(self.target).__name__}.forward, so no plan was "
+            f"deeppool: the training step did not call {name}.forward, so no plan was "
             "installed and gradients would not be synchronized across ranks. Call the model's forward "
             "in training_step (self(x)), or set DeepPoolStrategy(module='<name>') to the submodule "
             "training_step calls."

@@ -81,6 +81,7 @@ class RefreshForEvaluation(pl.Callback):
 
 
 def lost_connection(exception: BaseException) -> bool:
-    """Whether a peer closed its connections (it stopped): gloo's and the store's wording."""
+    """Whether a peer closed its connections (it stopped): gloo's, the store's and `LocalLinks`' wording."""
     text = str(exception).lower()
-    return any(words in text for words in ("broken pipe", "connection closed", "connection reset"))
+    closed = ("broken pipe", "connection closed", "connection reset", "closed its link")
+    return isinstance(exception, ConnectionError) or any(words in text for words in closed)

@@ -14,7 +14,7 @@ changes one fails there, not in a training run:
 - `replace_forward`: the planned module's `forward` replaced on the instance.
 - `take_compiler`: `trainer.fit(torch.compile(model))` leaves the LightningModule's forward and step
   methods compiled (`_compiler_ctx`, private); the strategy restores them and compiles its layers.
-- `default_store`, `sync_module_states`, `optimizers_to_device`: private functions of torch and
+- `sync_module_states`, `optimizers_to_device`: private functions of torch and
   Lightning the strategy calls.
 """
 
@@ -49,11 +49,6 @@ def take_compiler(module: pl.LightningModule) -> Compiler | None:
         return None
     to_uncompiled(module)
     return context["dynamo_ctx"]
-
-
-def default_store() -> dist.Store:
-    """The default process group's key-value store."""
-    return dist.distributed_c10d._get_default_store()
 
 
 def agree_on_overflow(
