@@ -153,3 +153,36 @@ def test_bf16_mixed_training_stays_within_bf16_rounding_of_single_device(runs):
     params = runs["ranks"][0]["bf16"]
     assert all(p.dtype == torch.float32 for p in params.values())
     assert max_param_diff(runs["bf16"], params) < 2e-2
+
+
+class _SigtermOnRankZero(pl.Callback):
+    """Rank 0 receives SIGTERM (as Lightning's signal handler records it) after its second step, just
+    after Lightning's own check at the end of the batch: its wait before the next step finds it."""
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        on_advance_end = loop.on_advance_end
+
+        def then_sigterm(*args: Any) -> None:
+            on_advance_end(*args)
+            if trainer.global_rank == 0 and trainer.global_step == 2:
+                trainer._signal_connector.received_sigterm = True
+
+        loop.on_advance_end = then_sigterm  # type: ignore[method-assign]
+
+
+def _stops_on_sigterm(rank: int) -> tuple[str, int]:
+    join_lightning_world(rank, 2)
+    strategy = DeepPoolStrategy(plan=PINS, cache_dir=False, profile_warmup=0, profile_repeats=1)
+    trainer = pl.Trainer(
+        **trainer_kwargs(devices=2, strategy=strategy, max_steps=6, callbacks=[_SigtermOnRankZero()])
+    )
+    try:
+        trainer.fit(make_model("mlp"), DataLoader(images(64), batch_size=4))
+    except SystemExit as stopped:
+        return type(stopped).__name__, trainer.global_step
+    return "trained", trainer.global_step
+
+
+def test_sigterm_on_rank_zero_stops_every_rank_before_the_next_step():
+    assert run_distributed(_stops_on_sigterm, 2) == [("SIGTERMException", 2)] * 2

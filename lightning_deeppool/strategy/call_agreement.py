@@ -83,17 +83,19 @@ class CallAgreement:
         """This rank makes no more calls in this step: it waits until no rank does."""
         self._settle(Point(DONE, self.step))
 
-    def before_collective(self, hook: str) -> None:
+    def before_collective(self, hook: str, row: Sequence[int] = ()) -> list[tuple[int, ...]]:
         """This rank is about to issue a collective from Lightning `hook`: every rank must issue the
-        same one next. Returns once they all are about to (raises on every rank where they are not)."""
-        self._settle(Point(COLLECTIVE, self.step, hook))
+        same one next. Returns every rank's `row` once they all are about to (raises on every rank
+        where they are not): a collective of a few numbers needs nothing more."""
+        return self._settle(Point(COLLECTIVE, self.step, hook, row=tuple(row)))
 
-    def _settle(self, mine: Point) -> None:
-        """Meet at `mine` until every rank is there, the ranks at calls having run them alone."""
+    def _settle(self, mine: Point) -> list[tuple[int, ...]]:
+        """Meet at `mine` until every rank is there, the ranks at calls having run them alone; every
+        rank's row."""
         while True:
             points = self._meet(mine)
             if _together(points):
-                return
+                return [point.row for point in points]
             if _lowest_call(points) is None:
                 self._fail(points)
 

@@ -23,6 +23,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from typing_extensions import override
 
@@ -45,9 +46,9 @@ from lightning_deeppool.strategy.patches import (
     clip_by_global_norm,
     optimizers_to_device,
     patch_scaler_overflow,
+    replace_wait_between_steps,
     sync_module_states,
     take_compiler,
-    wrap_wait_between_steps,
 )
 from lightning_deeppool.strategy.session import Fit, PlanSession
 from lightning_deeppool.strategy.step_times import summary
@@ -224,7 +225,7 @@ class DeepPoolStrategy(DDPStrategy):
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
         clip_by_global_norm(self.precision_plugin, self._global_norm)
-        self._restore_between_steps = wrap_wait_between_steps(
+        self._restore_between_steps = replace_wait_between_steps(
             trainer.fit_loop.epoch_loop, self._between_steps
         )
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -396,11 +397,19 @@ class DeepPoolStrategy(DDPStrategy):
             calls.after_optimizer_step()
         return output
 
-    @contextmanager
-    def _between_steps(self) -> Generator[None, None, None]:
-        """Lightning's wait for rank 0 before each step: idle time, and a collective every rank issues."""
-        with self.idle_windows.window("between_steps"), self._collective("broadcast", hook="between steps"):
-            yield
+    def _between_steps(self, broadcast: Callable[[], None]) -> None:
+        """Lightning's wait for rank 0 before each step (`broadcast`: rank 0's SIGTERM flag): idle time,
+        and a collective every rank issues. Where the ranks meet, the flag travels with the meeting."""
+        agreement = self._calls.meeting if self._calls is not None else None
+        with self.idle_windows.window("between_steps"):
+            if agreement is None:
+                with self._collective("broadcast", hook="between steps"):
+                    broadcast()
+                return
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            flag = int(bool(getattr(trainer, "received_sigterm", False)))
+            if agreement.before_collective("between steps (SIGTERM flag)", (flag,))[0] == (1,):
+                raise SIGTERMException()
 
     @contextmanager
     def _collective(self, issued: str, hook: str | None = None) -> Generator[None, None, None]:

@@ -21,7 +21,7 @@ changes one fails there, not in a training run:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -79,20 +79,16 @@ def patch_scaler_overflow(scaler: torch.amp.GradScaler, device: torch.device) ->
     scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
 
-def wrap_wait_between_steps(
-    epoch_loop: Any, around: Callable[[], AbstractContextManager[Any]]
+def replace_wait_between_steps(
+    epoch_loop: Any, wait: Callable[[Callable[[], None]], None]
 ) -> Callable[[], None]:
-    """Run the loop's wait for rank 0 before each step inside `around()` (an idle window, a counted
-    collective); returns the undo."""
+    """Run `wait(broadcast)` instead of the loop's wait for rank 0 before each step, where `broadcast`
+    is Lightning's own (rank 0's SIGTERM flag to every rank, raising `SIGTERMException` where it is
+    set); returns the undo."""
     broadcast = getattr(epoch_loop, SIGTERM_BROADCAST, None)
     if broadcast is None:
         return lambda: None
-
-    def broadcast_in_window() -> None:
-        with around():
-            broadcast()
-
-    setattr(epoch_loop, SIGTERM_BROADCAST, broadcast_in_window)
+    setattr(epoch_loop, SIGTERM_BROADCAST, lambda: wait(broadcast))
 
     def restore() -> None:
         if SIGTERM_BROADCAST in vars(epoch_loop):
