@@ -226,11 +226,9 @@ class InstalledPlan:
         widths.update(dict.fromkeys(unplanned, world_size))
         groups = PlanGroups([*schedule.param_widths.values(), world_size], world_size)
         uses = Counter(name for names in captured.layer_params.values() for name in names)
-        home = Placement(world_size)
-        moves = shared_batch or any(stage.placement != home for stage in schedule.stages)
-        # Where a plan moves samples between ranks that share a host, every message goes on local
-        # links: gloo's point-to-point and collectives cost 1.5-3 ms each on busy CPU cores.
-        links = connect_local_links(device) if moves else None
+        # Where CPU ranks share a host, every message and gradient sum goes on local links: gloo's
+        # point-to-point and collectives cost 1.5-3 ms each on busy CPU cores.
+        links = connect_local_links(device)
         messages = links or GroupMessages(groups.redistribution, groups)
         windows = ScheduleWindows(idle)
         grad_sync = GradSync(

@@ -1,12 +1,12 @@
 """The GPU check as data: a list of steps, each a command with a time limit and the files it leaves.
 
-    scripts/gpu_check.sh              # on a machine with CUDA: the figures, in under 8 minutes
+    scripts/gpu_check.sh              # on a machine with CUDA: the figures, in under 9 minutes
     scripts/gpu_check.sh --rehearse   # the same steps on CPU with tiny sizes, in about a minute
 
 Every file it writes goes to `--out`, which must be empty (only this run's results reach it), flat,
-at most 8 files: `summary.md` (what ran, how long, the headline figures), `check.log` (every
+at most 9 files: `summary.md` (what ran, how long, the headline figures), `check.log` (every
 step's output), `env.txt`, `gpu-tests.log`, `plans.txt` (plan tables and projections),
-`resnet50-profile.json`, `gpt2-profile.json`, `background.json`. A step that fails or runs past its
+`resnet50-profile.json`, `gpt2-profile.json`, `background.json`, `compiled-layers.json`. A step that fails or runs past its
 limit is recorded and the next one runs. Nothing is fetched: missing pure-Python packages come from
 `.whl/` (`scripts/gpu_wheels.sh`), which `gpu_check.sh` installs first.
 """
@@ -48,6 +48,7 @@ class Sizes:
     background: tuple[str, ...]
     limit_s: int  # per plan step
     budget_s: int  # the whole check: a step gets at most what is left
+    compiled: tuple[str, ...]  # the compiled-layers benchmark's arguments
 
 
 FULL = Sizes(
@@ -72,7 +73,8 @@ FULL = Sizes(
         "1.05",
     ),
     limit_s=150,
-    budget_s=460,
+    budget_s=520,
+    compiled=("--steps", "200", "--backend", "inductor"),
 )
 REHEARSAL = Sizes(
     resnet={"width": 4, "blocks": [1, 1, 1, 1], "classes": 10},
@@ -86,6 +88,7 @@ REHEARSAL = Sizes(
     background=("--runs", "1", "--steps", "12", "--batch", "4", "--standalone-steps", "20"),
     limit_s=120,
     budget_s=400,
+    compiled=("--steps", "10", "--backend", "aot_eager"),
 )
 
 
@@ -99,7 +102,7 @@ class Step:
 
 def steps(sizes: Sizes, out: Path, scratch: Path, device: str) -> list[Step]:
     """The check, in order: environment, the gpu-marked tests, plans and projections of two models,
-    background jobs beside a one-device foreground."""
+    background jobs beside a one-device foreground, eager against compiled (and CUDA-graphed) layers."""
     python = sys.executable
     cli = (python, "-m", "lightning_deeppool.cli")
     profile = ("--device", device, "--warmup", "1", "--repeats", "3")
@@ -170,6 +173,14 @@ def steps(sizes: Sizes, out: Path, scratch: Path, device: str) -> list[Step]:
             sizes.limit_s + 60,
         )
     )
+    compiled = {"--device": device, "--out": out / "compiled-layers.json"}
+    listed.append(
+        Step(
+            "eager, compiled and CUDA-graphed layers on one device",
+            (python, "benchmarks/compiled_layers.py", *sizes.compiled, *flags(compiled)),
+            120,
+        )
+    )
     return listed
 
 
@@ -236,6 +247,10 @@ def headline(out: Path) -> list[str]:
                 f"{figures['total_throughput_vs_foreground_alone']:.2f}x of the foreground alone "
                 f"(min {figures['total_throughput_min']:.2f}x), medians of {result['runs']} alternating runs"
             )
+    compiled = out / "compiled-layers.json"
+    if compiled.exists():
+        times = json.loads(compiled.read_text())["step_time_ms"]
+        lines.append("- layers on one device: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
     return lines
 
 

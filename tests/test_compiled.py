@@ -1,7 +1,8 @@
 """Compiled models train under deeppool as on one device, and compiled: with `trainer.fit(torch.compile(
 model))` (Lightning's documented way) and with `torch.compile` applied to a submodule, the planned
 layers they cover run through the user's compiler (a counting backend here) on every rank, and the
-strategy's own code is never traced."""
+strategy's own code is never traced. `compile_layers` compiles an uncompiled model's layers alike
+(aot_eager: forward and backward through AOTAutograd)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def counting(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
     return gm.forward
 
 
+def counting_aot_eager(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    """Counts the graphs, compiled by the `aot_eager` backend."""
+    COMPILED.append(len(gm.graph.nodes))
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
 class CompiledFeatures(ConvNet):
     """`ConvNet` whose convolutions are compiled in `__init__`, the head left alone."""
 
@@ -47,7 +54,7 @@ class CompiledFeatures(ConvNet):
         self.features = torch.compile(self.features, backend=counting)
 
 
-CASES = {"whole-lightning-module": ConvNet, "submodule": CompiledFeatures}
+CASES = {"whole-lightning-module": ConvNet, "submodule": CompiledFeatures, "compile-layers": ConvNet}
 
 
 def _model(name: str) -> pl.LightningModule:
@@ -62,8 +69,13 @@ def _fit_every_case(rank: int, world: int, root: str) -> dict[str, Any]:
         model = _model(name)
         before = len(COMPILED)
         pl.seed_everything(SEED, verbose=False)
+        compile_layers = {"backend": counting_aot_eager} if name == "compile-layers" else False
         strategy = DeepPoolStrategy(
-            plan={"": world, "head": 1}, cache_dir=False, profile_warmup=0, profile_repeats=1
+            plan={"": world, "head": 1},
+            cache_dir=False,
+            profile_warmup=0,
+            profile_repeats=1,
+            compile_layers=compile_layers,
         )
         trainer = pl.Trainer(
             **trainer_kwargs(devices=world, strategy=strategy, default_root_dir=root, max_steps=STEPS)

@@ -193,3 +193,17 @@ def test_arguments_one_rank_cannot_bind_fail_every_rank(errors):
 
 def test_a_shared_batch_one_rank_read_flipped_fails_on_every_rank(errors):
     assert _on_every_rank(errors, "shared batch differs").count("the ranks' batches differ") == 2
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ({"amplification_limit": 0.5}, "amplification_limit must be >= 1"),
+        ({"check_every_n_steps": -1}, "check_every_n_steps must be >= 0"),
+        ({"plan": 3}, "plan must be None, a plan file path or a mapping of pins"),
+        ({"compile_layers": "inductor"}, "compile_layers must be True, False or a mapping"),
+    ],
+)
+def test_bad_strategy_arguments_are_refused_when_the_strategy_is_made(arguments, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        DeepPoolStrategy(**arguments)

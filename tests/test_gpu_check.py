@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = [
     "background.json",
     "check.log",
+    "compiled-layers.json",
     "env.txt",
     "gpt2-profile.json",
     "gpu-tests.log",
@@ -33,7 +34,7 @@ def gpu_check(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_rehearsal_runs_every_step_and_returns_only_its_own_eight_files(tmp_path: Path) -> None:
+def test_rehearsal_runs_every_step_and_returns_only_its_own_nine_files(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = gpu_check(out, "--rehearse")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -41,7 +42,7 @@ def test_rehearsal_runs_every_step_and_returns_only_its_own_eight_files(tmp_path
     summary = (out / "summary.md").read_text()
     assert "# GPU check (CPU rehearsal)" in summary
     steps = [line for line in summary.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(steps) == 9 and all("| ok |" in line for line in steps), steps
+    assert len(steps) == 10 and all("| ok |" in line for line in steps), steps
     assert summary.count("predicted step time") == 2
     for name in ("resnet50", "gpt2"):
         profile = json.loads((out / f"{name}-profile.json").read_text())
@@ -51,6 +52,10 @@ def test_rehearsal_runs_every_step_and_returns_only_its_own_eight_files(tmp_path
     assert plans.count("assumes collectives: 45 GB/s, 15 us") == 2  # beyond it, InfiniBand
     background = json.loads((out / "background.json").read_text())
     assert (background["device"], background["steps"], list(background["plans"])) == ("cpu", 12, ["single"])
+    assert list(json.loads((out / "compiled-layers.json").read_text())["step_time_ms"]) == [
+        "eager",
+        "compiled",
+    ]
 
 
 def test_a_folder_that_holds_files_is_refused(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_deeppool.comm.messages import SmallGather
-from lightning_deeppool.install import PlanOptions
+from lightning_deeppool.install import Compiler, PlanOptions
 from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
@@ -82,6 +82,10 @@ class DeepPoolStrategy(DDPStrategy):
             This trains batches smaller than the device count, on layers the plan splits by height.
         check_every_n_steps: every this many steps, and at the end of fit, the ranks that train a
             parameter together compare their copies and raise on a difference (0: at the end only).
+        compile_layers: run every planned layer's forward and backward compiled by ``torch.compile``:
+            ``True`` with its defaults, or a mapping of its keyword arguments (``{"mode":
+            "reduce-overhead"}`` replays each layer as a CUDA graph on GPUs). A model given to ``fit``
+            compiled, or a compiled submodule, keeps its own compiler for its layers.
     """
 
     strategy_name = "deeppool"
@@ -102,6 +106,7 @@ class DeepPoolStrategy(DDPStrategy):
         bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         shared_batch: bool = False,
         check_every_n_steps: int = 100,
+        compile_layers: bool | Mapping[str, Any] = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -115,6 +120,11 @@ class DeepPoolStrategy(DDPStrategy):
             raise ValueError(f"check_every_n_steps must be >= 0, got {check_every_n_steps}")
         if not amplification_limit >= 1.0:
             raise ValueError(f"amplification_limit must be >= 1 (or inf), got {amplification_limit}")
+        if not isinstance(compile_layers, bool | Mapping):
+            raise TypeError(
+                "compile_layers must be True, False or a mapping of torch.compile's keyword arguments, "
+                f"got {type(compile_layers).__name__}"
+            )
         if plan is not None and not isinstance(plan, str | Path | Mapping):
             raise TypeError(
                 f"plan must be None, a plan file path or a mapping of pins, got {type(plan).__name__}"
@@ -152,6 +162,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._failed = False
         self._restore_between_steps: Callable[[], None] | None = None
         self.check_every_n_steps = check_every_n_steps
+        self.compile_layers = dict(compile_layers) if isinstance(compile_layers, Mapping) else compile_layers
         self._checked_at = 0
         self._refresh_for_evaluation = RefreshForEvaluation(self._refresh_parameters)
         self._trainer_callbacks: list[pl.Callback] = []
@@ -220,7 +231,7 @@ class DeepPoolStrategy(DDPStrategy):
                 lambda: self.optimizers,
                 self._log_dir,
                 reads_gradients=reads_gradients(trainer, self.lightning_module),
-                compiler=take_compiler(self.lightning_module),
+                compiler=take_compiler(self.lightning_module) or self._layer_compiler(),
             )
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
@@ -233,6 +244,14 @@ class DeepPoolStrategy(DDPStrategy):
             patch_scaler_overflow(scaler, self.root_device)
         self._trainer_callbacks = callbacks(trainer)
         self._trainer_callbacks.append(self._refresh_for_evaluation)  # last: after the user's epoch hooks
+
+    def _layer_compiler(self) -> Compiler | None:
+        """`torch.compile` with the options of `compile_layers`, where it asks for one."""
+        if self.compile_layers is False:
+            return None
+        options = {} if self.compile_layers is True else self.compile_layers
+        compiler: Compiler = torch.compile(**options)
+        return compiler
 
     def _agreement(self) -> CallAgreement | None:
         if self.world_size < 2:
