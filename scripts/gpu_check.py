@@ -6,9 +6,9 @@
 Every file it writes goes to `--out`, which must be empty (only this run's results reach it), flat,
 at most 9 files: `summary.md` (what ran, how long, the headline figures), `check.log` (every
 step's output), `env.txt`, `gpu-tests.log`, `plans.txt` (plan tables and projections),
-`resnet50-profile.json`, `gpt2-profile.json`, `background.json`, `compiled-layers.json`. A step that fails or runs past its
-limit is recorded and the next one runs. Nothing is fetched: missing pure-Python packages come from
-`.whl/` (`scripts/gpu_wheels.sh`), which `gpu_check.sh` installs first.
+`resnet50-profile.json`, `gpt2-profile.json`, `background.json`, `compiled-layers.json`. A step
+that fails or runs past its limit is recorded and the next one runs. Nothing is fetched: missing
+pure-Python packages come from `.whl/` (`scripts/gpu_wheels.sh`), which `gpu_check.sh` installs first.
 """
 
 from __future__ import annotations
