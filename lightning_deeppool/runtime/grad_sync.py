@@ -76,6 +76,7 @@ class GradSync:
         self.buckets, self.rank0_only, self.world = buckets, rank0_only, world
         self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
         self._owned = {*self._bucket_of, *world, *rank0_only}
+        self._storage: dict[int, torch.Tensor] = {}  # per bucket position: its gradients' flat storage
 
     # ------------------------------------------------------------------------------ contributions
     def track_new_parameters(self) -> None:
@@ -159,7 +160,7 @@ class GradSync:
 
     def _launch_next(self) -> None:
         bucket = self.buckets[self._next]
-        self._reduce(list(bucket.params), bucket.width)
+        self._reduce(list(bucket.params), bucket.width, self._next)
         self._next += 1
 
     # ---------------------------------------------------------------------------------- syncing
@@ -174,18 +175,31 @@ class GradSync:
                 "which does not hold them: they were used outside the planned forward only after the first "
                 "step. Use every parameter the same way from the first training step on"
             )
-        for bucket in self.buckets:
-            self._reduce([n for n in bucket.params if n in chosen], bucket.width)
+        for position, bucket in enumerate(self.buckets):
+            self._reduce([n for n in bucket.params if n in chosen], bucket.width, position)
         self._reduce([n for n in self.world if n in chosen], self.world_size)
         for name in self.rank0_only:
             if name in chosen:
                 self._divide(name)
         self._finish()
 
-    def _reduce(self, names: list[str], width: int) -> None:
+    def _reduce(self, names: list[str], width: int, position: int | None = None) -> None:
         names = [n for n in names if n in self._fresh]
         if not names:
             return
+        flat = self._in_storage(position, names) if position is not None else None
+        if flat is None:
+            flat, parts = self._gathered(names)
+        else:
+            parts = [(name, None) for name in names]
+        flat.div_(self.world_size)
+        work = self.messages.sum(flat, range(width), self.waiting) if width > 1 else None
+        self._fresh.difference_update(names)
+        self._in_flight.update(names)
+        self._pending.append((work, flat, parts))
+
+    def _gathered(self, names: list[str]) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor | None]]]:
+        """The gradients' new contributions in one flat tensor, and each one's part set aside."""
         parts: list[tuple[str, torch.Tensor | None]] = []
         grads = []
         for name in names:
@@ -197,12 +211,37 @@ class GradSync:
         alone = len(grads) == 1 and parts[0][1] is None and grads[0].is_contiguous()
         # A lone large gradient is reduced in place: copying tens of megabytes in and out of a bucket
         # costs as much as the all-reduce itself.
-        flat = grads[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(self.world_size)
-        work = self.messages.sum(flat, range(width), self.waiting) if width > 1 else None
-        self._fresh.difference_update(names)
-        self._in_flight.update(names)
-        self._pending.append((work, flat, parts))
+        return (grads[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in grads])), parts
+
+    def _in_storage(self, position: int, names: list[str]) -> torch.Tensor | None:
+        """The flat storage of bucket `position`, its gradients made views into it (copied in where
+        autograd made them anew, as after `zero_grad(set_to_none=True)`), so that no gradient is copied
+        back after the sum; DDP's buckets do the same. None where the bucket is not reduced whole:
+        some gradient missing or with a part set aside, a single one (reduced in place), or
+        parameters of different dtypes, devices or non-contiguous layouts."""
+        params = [self.params[n] for n in names]
+        if (
+            len(names) < 2
+            or names != list(self.buckets[position].params)
+            or any(n in self._set_aside for n in names)
+            or len({(p.dtype, p.device) for p in params}) > 1
+            or not all(p.is_contiguous() for p in params)
+        ):
+            return None
+        total = sum(p.numel() for p in params)
+        storage = self._storage.get(position)
+        if storage is None or storage.numel() != total or storage.dtype != params[0].dtype:
+            storage = self._storage[position] = params[0].new_empty(total)
+        offset = 0
+        for p in params:
+            view = storage[offset : offset + p.numel()].view_as(p)
+            grad = p.grad
+            assert grad is not None
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                p.grad = view
+            offset += p.numel()
+        return storage
 
     def _divide(self, name: str) -> None:
         p = self.params[name]
@@ -228,7 +267,7 @@ class GradSync:
                 reduced = flat[offset : offset + n].view_as(p)
                 if aside is not None:
                     p.grad.copy_(reduced + aside)
-                elif p.grad.data_ptr() != flat.data_ptr():
+                elif p.grad.data_ptr() != reduced.data_ptr():  # not reduced where it lies
                     p.grad.copy_(reduced)
                 offset += n
                 self._in_flight.discard(name)

@@ -1,0 +1,57 @@
+"""Gradient synchronisation's storage: a bucket reduced whole leaves its gradients as views of one
+flat tensor (nothing copied back after the sum), and gradients not zeroed between steps still add up
+as on one device. One rank: the bucket's sum is over itself, the storage is what is tested."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_deeppool.comm.messages import GroupMessages
+from lightning_deeppool.lowering.schedule import Bucket
+from lightning_deeppool.runtime.grad_sync import GradSync
+
+
+def _layer_and_sync() -> tuple[nn.Linear, GradSync]:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    params = dict(layer.named_parameters())
+    return layer, GradSync(params, GroupMessages(), 1, [Bucket(0, 1, tuple(params))])
+
+
+def _backward(layer: nn.Linear, sync: GradSync, x: torch.Tensor) -> None:
+    sync.arm(True)
+    with sync.in_stage():
+        layer(x).square().sum().backward()
+    sync.sync()
+
+
+def _plain(x: torch.Tensor, times: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    for _ in range(times):
+        layer(x).square().sum().backward()
+    return {name: p.grad for name, p in layer.named_parameters() if p.grad is not None}
+
+
+def test_a_whole_buckets_gradients_end_as_views_of_one_flat_storage():
+    layer, sync = _layer_and_sync()
+    x = torch.randn(5, 4)
+    for _ in range(2):  # the second step's gradients are new tensors again (set to None in between)
+        _backward(layer, sync, x)
+        assert layer.weight.grad is not None and layer.bias.grad is not None
+        storage = layer.weight.grad.untyped_storage().data_ptr()
+        assert layer.bias.grad.untyped_storage().data_ptr() == storage
+        assert torch.equal(layer.weight.grad, _plain(x, 1)["weight"])
+        layer.zero_grad(set_to_none=True)
+
+
+def test_gradients_not_zeroed_between_steps_add_up_as_on_one_device():
+    layer, sync = _layer_and_sync()
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        _backward(layer, sync, x)
+    plain = _plain(x, 3)
+    assert torch.allclose(layer.weight.grad, plain["weight"]) and torch.allclose(
+        layer.bias.grad, plain["bias"]
+    )
