@@ -34,16 +34,43 @@ STEPS = 3
 COMPILED: list[int] = []  # per graph the counting backend compiled in this process, its node count
 
 
+RUNS = [0]  # how many times compiled code ran in this process
+
+
+def _counted(compiled: Any) -> Any:
+    def run(*args: Any) -> Any:
+        RUNS[0] += 1
+        return compiled(*args)
+
+    return run
+
+
 def counting(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-    """A `torch.compile` backend that counts the graphs it is given and runs them as they are."""
+    """A `torch.compile` backend that counts the graphs it is given and their runs, and runs them as
+    they are."""
     COMPILED.append(len(gm.graph.nodes))
-    return gm.forward
+    return _counted(gm.forward)
 
 
 def counting_aot_eager(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-    """Counts the graphs, compiled by the `aot_eager` backend."""
+    """Counts the graphs and their runs, compiled by the `aot_eager` backend."""
     COMPILED.append(len(gm.graph.nodes))
-    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    return _counted(torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs))
+
+
+class _RunsAfterTheFirstStep(pl.Callback):
+    """How many times compiled code ran in the steps after the first (install, profiling and the
+    first step's check run layers too)."""
+
+    def __init__(self) -> None:
+        self.start = self.runs = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            self.start = RUNS[0]
+
+    def on_train_end(self, *args: Any) -> None:
+        self.runs = RUNS[0] - self.start
 
 
 class CompiledFeatures(ConvNet):
@@ -54,7 +81,12 @@ class CompiledFeatures(ConvNet):
         self.features = torch.compile(self.features, backend=counting)
 
 
-CASES = {"whole-lightning-module": ConvNet, "submodule": CompiledFeatures, "compile-layers": ConvNet}
+CASES = {
+    "whole-lightning-module": ConvNet,
+    "submodule": CompiledFeatures,
+    "compile-layers": ConvNet,
+    "whole-lightning-module-data-parallel": ConvNet,  # every layer at full width: no layer runs
+}
 
 
 def _model(name: str) -> pl.LightningModule:
@@ -71,18 +103,21 @@ def _fit_every_case(rank: int, world: int, root: str) -> dict[str, Any]:
         pl.seed_everything(SEED, verbose=False)
         compile_layers = {"backend": counting_aot_eager} if name == "compile-layers" else False
         strategy = DeepPoolStrategy(
-            plan={"": world, "head": 1},
+            plan={"": world} if name.endswith("data-parallel") else {"": world, "head": 1},
             cache_dir=False,
             profile_warmup=0,
             profile_repeats=1,
             compile_layers=compile_layers,
         )
+        runs = _RunsAfterTheFirstStep()
         trainer = pl.Trainer(
-            **trainer_kwargs(devices=world, strategy=strategy, default_root_dir=root, max_steps=STEPS)
+            **trainer_kwargs(
+                devices=world, strategy=strategy, default_root_dir=root, max_steps=STEPS, callbacks=[runs]
+            )
         )
-        compiled = torch.compile(model, backend=counting) if name == "whole-lightning-module" else model
+        compiled = torch.compile(model, backend=counting) if name.startswith("whole") else model
         trainer.fit(compiled, DataLoader(images(STEPS * LOCAL_BATCH * world), batch_size=LOCAL_BATCH))
-        results[name] = {"params": parameters(model), "graphs": len(COMPILED) - before}
+        results[name] = {"params": parameters(model), "graphs": len(COMPILED) - before, "runs": runs.runs}
     return results
 
 
@@ -102,3 +137,8 @@ def test_a_compiled_model_trains_to_one_devices_weights(trained, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_users_compiler_compiles_the_planned_layers_on_every_rank(trained, name):
     assert all(rank[name]["graphs"] > 0 for rank in trained)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_code_runs_in_the_steps_after_the_first_on_every_rank(trained, name):
+    assert all(rank[name]["runs"] > 0 for rank in trained)

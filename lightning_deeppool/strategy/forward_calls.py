@@ -7,13 +7,14 @@ layers it runs, so it refuses such a call once its other layers are stale (until
 of fit refreshes them), and refuses to backpropagate through one into layers it does not hold.
 
 A data-parallel plan (every layer on every rank) runs as DDP does once installed: every call is the
-module's own forward on this rank's samples, with nothing to agree on, and the gradient buckets launch
-from the backward's own accumulation hooks.
+module's own forward on this rank's samples (compiled, where the layers would have been), with nothing
+to agree on, and the gradient buckets launch from the backward's own accumulation hooks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,7 +56,7 @@ class ForwardCalls:
         if installation is not None and installation.data_parallel:
             with self.session.step_times.work():
                 installation.grad_sync.track_new_parameters()
-                outputs = self._original(*args, **kwargs)
+                outputs = self._data_parallel_forward(*args, **kwargs)
             if torch.is_grad_enabled():
                 self._pending += 1
             return self._timed_backward(outputs)
@@ -69,6 +70,13 @@ class ForwardCalls:
             if rows is not None:
                 return self._timed_backward(self._planned(args, kwargs, call, rows))
         return self._unplanned(args, kwargs)
+
+    @functools.cached_property
+    def _data_parallel_forward(self) -> Callable[..., Any]:
+        """The module's own forward, through the compiler its layers would run through: a data-parallel
+        plan runs no layers, and the user's compilation is not dropped."""
+        compiler = self.session.fit.compiler
+        return compiler(self._original) if compiler is not None else self._original
 
     def _timed_backward(self, outputs: Any) -> Any:
         """The backward's work starts where the gradients reach these outputs (`StepTimes.backward`)."""

@@ -33,7 +33,7 @@ class Fit:
     optimizers: Callable[[], Sequence[torch.optim.Optimizer]]
     log_dir: Callable[[], str | None]
     reads_gradients: bool = False  # a hook after backward or before the optimizer step, or clipping
-    compiler: Compiler | None = None  # `fit` was given the LightningModule compiled
+    compiler: Compiler | None = None  # `fit` was given the LightningModule compiled, or compile_layers
 
 
 class PlanSession:
