@@ -38,7 +38,7 @@ def _ranks(*programs: Callable[[CallAgreement], Any]) -> list[Any]:
 
     def run(rank: int) -> None:
         try:
-            results[rank] = programs[rank](CallAgreement(gather.for_rank(rank), rank, world))
+            results[rank] = programs[rank](CallAgreement(gather.for_rank(rank), rank))
         except RuntimeError as err:
             results[rank] = err
 

@@ -38,7 +38,6 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 """Every rank's tensor (the same shape on each), stacked in rank order on every rank. Collective."""
 
 CALL, COLLECTIVE, DONE = 1, 2, 3
-_KINDS = {CALL: "call", COLLECTIVE: "collective", DONE: "done"}
 _ROW = 8  # the most numbers a row carries
 _TEXT = 256  # the most bytes of a place's name a point carries (its end: file name and line)
 _HEAD = struct.Struct(f"<bqqqbH{_ROW}q")
@@ -47,10 +46,9 @@ _HEAD = struct.Struct(f"<bqqqbH{_ROW}q")
 class CallAgreement:
     """Per rank: the step's planned calls and Lightning's collectives, met through `gather`."""
 
-    def __init__(self, gather: Gather, rank: int, world_size: int) -> None:
+    def __init__(self, gather: Gather, rank: int) -> None:
         self.gather = gather
         self.rank = rank
-        self.world_size = world_size
         self.step = 0
         self.meetings = 0  # how many times this rank met the others (counted for the benchmarks)
         self.alone_among = ""  # where every rank was when this step's last call here was decided alone
@@ -67,7 +65,23 @@ class CallAgreement:
         (alone)."""
         occurrence = self._seen.get(site, 0)
         self._seen[site] = occurrence + 1
-        mine = Point(CALL, self.step, site, occurrence, tuple(row))
+        return self._settle(Point(CALL, self.step, site, occurrence, tuple(row)))
+
+    def end_step(self) -> None:
+        """This rank makes no more calls in this step: it waits until no rank does."""
+        self._settle(Point(DONE, self.step))
+
+    def before_collective(self, hook: str, row: Sequence[int] = ()) -> list[tuple[int, ...]]:
+        """This rank is about to issue a collective from Lightning `hook`: every rank must issue the
+        same one next. Returns every rank's `row` once they all are about to (raises on every rank
+        where they are not): a collective of a few numbers needs nothing more."""
+        rows = self._settle(Point(COLLECTIVE, self.step, hook, row=tuple(row)))
+        assert rows is not None  # only a call is decided alone
+        return rows
+
+    def _settle(self, mine: Point) -> list[tuple[int, ...]] | None:
+        """Meet at `mine` until every rank is there (every rank's row), or until `mine` is a call the
+        ranks at the lowest rank's call share while others are elsewhere: decided alone (None)."""
         while True:
             points = self._meet(mine)
             if _together(points):
@@ -78,26 +92,6 @@ class CallAgreement:
             if alone.at == points[self.rank].at:
                 self.alone_among = _where(points)
                 return None
-
-    def end_step(self) -> None:
-        """This rank makes no more calls in this step: it waits until no rank does."""
-        self._settle(Point(DONE, self.step))
-
-    def before_collective(self, hook: str, row: Sequence[int] = ()) -> list[tuple[int, ...]]:
-        """This rank is about to issue a collective from Lightning `hook`: every rank must issue the
-        same one next. Returns every rank's `row` once they all are about to (raises on every rank
-        where they are not): a collective of a few numbers needs nothing more."""
-        return self._settle(Point(COLLECTIVE, self.step, hook, row=tuple(row)))
-
-    def _settle(self, mine: Point) -> list[tuple[int, ...]]:
-        """Meet at `mine` until every rank is there, the ranks at calls having run them alone; every
-        rank's row."""
-        while True:
-            points = self._meet(mine)
-            if _together(points):
-                return [point.row for point in points]
-            if _lowest_call(points) is None:
-                self._fail(points)
 
     def _meet(self, mine: Point) -> list[Point]:
         self.meetings += 1

@@ -258,7 +258,7 @@ class DeepPoolStrategy(DDPStrategy):
             return None
         timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         self._gather = SmallGather(timeout_s)
-        return CallAgreement(self._gather, self.global_rank, self.world_size)
+        return CallAgreement(self._gather, self.global_rank)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
