@@ -22,7 +22,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "capture": frozenset({"ir"}),
     "planner": frozenset({"ir"}),
     "lowering": frozenset({"ir"}),
-    "profiling": frozenset({"ir", "capture", "lowering", "comm"}),
+    "profiling": frozenset({"ir", "capture", "comm"}),
     "spatial": frozenset({"ir", "capture", "comm"}),
     "runtime": frozenset({"ir", "capture", "lowering", "comm", "spatial"}),
     "install": frozenset({"ir", "capture", "planner", "lowering", "comm", "profiling", "spatial", "runtime"}),

@@ -14,7 +14,7 @@ from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, 
 from lightning_deeppool.planner import cost
 
 # A slow link, so that transfers and syncs compete with compute in millisecond-sized examples.
-SLOW_LINK = CommProfile(link=AlphaBeta(latency_s=20e-6, seconds_per_byte=1e-9))
+SLOW_LINK = CommProfile(link=AlphaBeta(latency_s=20e-6, seconds_per_byte=1e-9), overlap=False)
 
 
 def layer(

@@ -1,6 +1,7 @@
 """The `deeppool` command: plan, show and simulate on a tiny model, and its usage errors (exit 2)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,11 @@ def test_a_pin_may_split_by_height_as_widthsspatial_and_is_checked_against_the_l
     assert usage_error(capsys, ["plan", tiny, *common, "--pin", "head=2x2"]).endswith(
         "--pin 'head=2x2' must look like name=width or name=WIDTHsSPATIAL, e.g. classifier=1 or features=4s2"
     )
+
+
+def test_a_link_figure_given_replaces_only_itself_and_keeps_the_profiles_overlap(capsys):
+    vgg16 = str(Path(__file__).parents[1] / "benchmarks" / "profiles" / "a100" / "vgg16.json")
+    main(["simulate", "--profile", vgg16, "--global-batch-size", "32", "--devices", "8", "--latency-us", "5"])
+    out = capsys.readouterr().out
+    assert "assumes point-to-point: 266 GB/s, 5 us per message" in out  # the profile's bandwidth
+    assert "assumes gradient all-reduces beside backward" in out

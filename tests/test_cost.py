@@ -56,7 +56,7 @@ def test_small_groups_reduce_in_a_ring_and_large_ones_in_a_tree():
 def test_data_parallel_time_grows_with_devices_by_the_latency_per_bucket_not_per_layer():
     # 16 layers of 1 MB gradients each; a fixed 4 samples per device, so compute stays the same.
     graph = graph_of([layer(f"l{i}", ["x" if i == 0 else f"l{i - 1}"], params=250_000) for i in range(16)])
-    comm = CommProfile(link=AlphaBeta(40e-6, 1 / 25e9))
+    comm = CommProfile(link=AlphaBeta(40e-6, 1 / 25e9), overlap=False)
     steps = {}
     for n in (8, 256):
         profile = dataclasses.replace(
@@ -384,3 +384,34 @@ def test_a_placement_is_a_width_a_placement_or_a_mapping(value, expected):
 def test_anything_else_is_an_error_showing_the_expected_form(value, message):
     with pytest.raises(ValueError, match=message):
         checks.as_placement(value, "pin 'a'")
+
+
+def _two_layers_at_full_width(seconds_per_byte: float, *, overlap: bool):
+    """Two 3 ms layers with 2 MB of gradients each (a bucket each) at width 2: no transfer."""
+    graph = graph_of([layer("l0", ["x"], params=500_000), layer("l1", ["l0"], params=500_000)])
+    comm = CommProfile(link=AlphaBeta(0.0, seconds_per_byte), overlap=overlap)
+    profile = linear_profile(graph, {"l0": (3e-3, 0.0), "l1": (3e-3, 0.0)}, max_batch=4, comm=comm)
+    return cost.evaluate(graph, profile, {"l0": 2, "l1": 2}, world_size=2, global_batch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("seconds_per_byte", "step_s"),
+    [
+        # forward 2 ms; l1's backward ends at 4 ms and its bucket reduces 4-5; l0's ends at 6, reduces 6-7
+        (5e-10, 7e-3),
+        # 3 ms per bucket: l1's reduces 4-7, so l0's, ready at 6, waits for it and reduces 7-10
+        (1.5e-9, 10e-3),
+    ],
+)
+def test_all_reduces_run_beside_backward_a_bucket_after_its_layers_and_the_bucket_before(
+    seconds_per_byte, step_s
+):
+    step = _two_layers_at_full_width(seconds_per_byte, overlap=True)
+    assert step.total_s == pytest.approx(step_s)
+    assert step.serial_s - step.hidden_s == pytest.approx(step_s)
+
+
+def test_without_overlap_all_reduces_follow_backward():
+    step = _two_layers_at_full_width(5e-10, overlap=False)
+    assert step.hidden_s == 0
+    assert step.total_s == pytest.approx(6e-3 + 2e-3)

@@ -75,6 +75,7 @@ def test_json_has_the_documented_keys():
         "predicted_ddp_step_time_s",
         "graph_fingerprint",
         "limited",
+        "hidden_sync_s",
         "layers",
     }
     assert set(data["layers"][0]) == {

@@ -19,7 +19,7 @@ from lightning_deeppool.planner.search import search
 
 PROFILES = Path(__file__).parent / "data" / "profiles"
 # Roughly this machine's gloo link between two processes: 1.3 GB/s, 100 us per message.
-LINK = CommProfile(link=AlphaBeta(100e-6, 1 / 1.3e9))
+LINK = CommProfile(link=AlphaBeta(100e-6, 1 / 1.3e9), overlap=False)
 CASES = {"vgg": (2, 32), "vgg4": (4, 32), "digits": (2, 64), "digits4": (4, 64)}
 
 

@@ -7,15 +7,10 @@ import random
 
 import pytest
 
+from lightning_deeppool.ir.buckets import cut_into_buckets
 from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
 from lightning_deeppool.ir.placement import Placement, balanced, transfers
-from lightning_deeppool.lowering.schedule import (
-    Action,
-    Schedule,
-    build_schedule,
-    build_stages,
-    cut_into_buckets,
-)
+from lightning_deeppool.lowering.schedule import Action, Schedule, build_schedule, build_stages
 
 # x -> a -> b -> add(a, b) -> c ; cat(add, c) -> head: a residual join and a concatenation.
 GRAPH = LayerGraph(

@@ -126,10 +126,12 @@ def test_amplification_limit_is_never_violated_by_any_layer_below_full_width(lim
             assert width == min(world_size, batch) or amplification(profile, item, width, batch) <= limit
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("limit", [1.0, 1.5, 2.0])
-def test_the_plan_is_never_predicted_slower_than_full_width(limit):
+def test_the_plan_is_never_predicted_slower_than_full_width(limit, overlap):
     for seed in range(20):
         graph, profile, world_size, batch = random_case(seed, random_dag, max_layers=8, max_world=6)
+        profile = dataclasses.replace(profile, comm=dataclasses.replace(profile.comm, overlap=overlap))
         sizes = dict(world_size=world_size, global_batch_size=batch, amplification_limit=limit)
         plan = search(graph, profile, **sizes, exempt_below_s=0)
         full = plan_with_widths(

@@ -31,8 +31,6 @@ from lightning_deeppool.cli.charts import ChartError, plan_chart, simulation_cha
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import (
-    DEFAULT_BANDWIDTH_BYTES_PER_S,
-    DEFAULT_LATENCY_S,
     AlphaBeta,
     CommProfile,
     Profile,
@@ -217,26 +215,36 @@ def _measure(
 
 def _with_comm(profile: Profile, args: argparse.Namespace) -> Profile:
     """The profile with the link figures given on the command line (point-to-point and, if given
-    apart, collectives), when any is given."""
-    link = _link(args.bandwidth, args.latency_us, "")
-    collective = _link(args.collective_bandwidth, args.collective_latency_us, "collective-")
+    apart, collectives), when any is given: they replace what was measured, a figure not given is the
+    profile's link's; the buckets and whether all-reduces overlap backward stay the profile's."""
+    link = _link(args.bandwidth, args.latency_us, "", profile.comm.link)
+    collective = _link(args.collective_bandwidth, args.collective_latency_us, "collective-", link)
     if link is None and collective is None:
         return profile
-    comm = CommProfile(link=link or CommProfile().link, collective=collective)
+    comm = CommProfile(
+        link=link or profile.comm.link,
+        collective=collective,
+        bucket_bytes=profile.comm.bucket_bytes,
+        overlap=profile.comm.overlap,
+    )
     return dataclasses.replace(profile, comm=comm)
 
 
-def _link(bandwidth_gbps: float | None, latency_us: float | None, prefix: str) -> AlphaBeta | None:
+def _link(
+    bandwidth_gbps: float | None, latency_us: float | None, prefix: str, given: AlphaBeta | None
+) -> AlphaBeta | None:
+    """The link of the flags given, the figure not given taken from `given`; None if neither is."""
     if bandwidth_gbps is None and latency_us is None:
         return None
-    bandwidth = bandwidth_gbps * 1e9 if bandwidth_gbps is not None else DEFAULT_BANDWIDTH_BYTES_PER_S
-    latency = latency_us * 1e-6 if latency_us is not None else DEFAULT_LATENCY_S
-    if bandwidth <= 0 or latency < 0:
+    given = given or CommProfile().link
+    if (bandwidth_gbps is not None and bandwidth_gbps <= 0) or (latency_us is not None and latency_us < 0):
         raise UsageError(
             f"--{prefix}bandwidth must be > 0 and --{prefix}latency-us >= 0, "
             f"got {bandwidth_gbps}, {latency_us}"
         )
-    return AlphaBeta(latency, 1.0 / bandwidth)
+    seconds_per_byte = 1.0 / (bandwidth_gbps * 1e9) if bandwidth_gbps is not None else given.seconds_per_byte
+    latency = latency_us * 1e-6 if latency_us is not None else given.latency_s
+    return AlphaBeta(latency, seconds_per_byte)
 
 
 def _save_profile_file(path: str, graph: LayerGraph, profile: Profile) -> None:
@@ -427,9 +435,15 @@ def _search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--amplification-limit", type=float, default=2.0, help="max device-time amplification per layer"
     )
-    parser.add_argument("--bandwidth", type=float, help="point-to-point link bandwidth in GB/s (default: 20)")
     parser.add_argument(
-        "--latency-us", type=float, help="point-to-point per-message latency in microseconds (default: 20)"
+        "--bandwidth",
+        type=float,
+        help="point-to-point link bandwidth in GB/s (default: the profile's; 20 in one made here)",
+    )
+    parser.add_argument(
+        "--latency-us",
+        type=float,
+        help="point-to-point latency per message in us (default: the profile's; 20 in one made here)",
     )
     parser.add_argument(
         "--collective-bandwidth",

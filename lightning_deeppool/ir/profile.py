@@ -13,7 +13,7 @@ from typing import Any
 # A profile file of another version is refused and a cached one is not found (the version is part of
 # the key), so the model is profiled again: raise it whenever what a profile holds, or how it is
 # measured, changes.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,9 @@ class CommProfile:
     `halo`, when measured, the exchanges of spatially split layers (their own links on CPU), else
     `redistribute`'s;
     `collective`, when given, the per-link figures of collectives (an inter-node network, say), else
-    `link`'s. `allreduce[k]` models one all-reduce call among k devices as measured (algorithm
+    `link`'s. With `overlap`, gradient all-reduces run beside backward as their buckets fill (NCCL on a
+    stream of its own); without, after it (on CPU, where the ranks' cores compute and communicate
+    alike). `allreduce[k]` models one all-reduce call among k devices as measured (algorithm
     included). Gradients are reduced in buckets of `bucket_bytes`: a layer pays the bandwidth term for
     its bytes and the latency term for its share of a bucket, so latency grows per bucket, not per
     layer. Group sizes without a measurement use the faster (for a full bucket) of a ring, ``2(k-1)``
@@ -149,6 +151,7 @@ class CommProfile:
     allreduce_scale: float = 1.0
     sync_wait_s: float = 0.0
     halo: AlphaBeta | None = None
+    overlap: bool = True
 
     def allreduce_time(self, group_size: int, nbytes: float) -> float:
         """Seconds `nbytes` of gradients add to the bucketed all-reduces among `group_size` devices
@@ -217,6 +220,7 @@ class CommProfile:
             "allreduce_scale": self.allreduce_scale,
             "sync_wait_s": self.sync_wait_s,
             "halo": asdict(self.halo) if self.halo else None,
+            "overlap": self.overlap,
         }
 
     @classmethod
@@ -232,6 +236,7 @@ class CommProfile:
             allreduce_scale=float(data.get("allreduce_scale", 1.0)),
             sync_wait_s=float(data.get("sync_wait_s", 0.0)),
             halo=AlphaBeta(**data["halo"]) if data.get("halo") else None,
+            overlap=bool(data.get("overlap", True)),
         )
 
 

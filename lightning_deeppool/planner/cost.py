@@ -20,6 +20,13 @@ functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1
   (`CommProfile.halo_time`: the runtime moves values on their links where they have them).
 - halo, split by height: ``halo_bytes * b`` out and the halo gradients back (`halo_time`), charged to
   the layer's transfer.
+- overlap (`hidden_sync`): with ``comm.overlap``, gradient all-reduces run beside backward as the
+  runtime launches them: layers' gradients in buckets cut as the runtime cuts them (per run of one
+  placement, in backward order, by `buckets.cut_into_buckets`), a bucket starting once the backward
+  of its last layer is done (`BACKWARD_SHARE` of the layer's compute and half its transfers) and the
+  bucket before it has been reduced. The step is the later of backward's end and the last
+  all-reduce's; the sync seconds that fit before it are `StepCost.hidden_s`. Contention between an
+  all-reduce and the compute or transfers beside it is not modelled.
 - memory (`layer_memory`): the activation memory profiled at b, scaled by the row share a part holds,
   plus parameters and gradients, on each of its w ranks.
 - sizes: graph inputs and outputs live at width N (with B < N, ranks B.. hold no sample). Every layer
@@ -35,13 +42,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_deeppool.ir.buckets import cut_into_buckets
 from lightning_deeppool.ir.graph import Layer, LayerGraph
-from lightning_deeppool.ir.placement import Placement, per_device_batch
+from lightning_deeppool.ir.placement import Placement, equal_width_runs, per_device_batch
 from lightning_deeppool.ir.profile import CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner.checks import check_sizes
 
 # Forward activations plus backward gradients: every redistribution happens twice per step.
 DIRECTIONS = 2
+# Of a layer's profiled forward+backward time, the share backward takes: it computes the gradients of
+# the layer's input and of its weights, two products to forward's one.
+BACKWARD_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -59,13 +70,20 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Per-layer costs (execution order) and their sum, the predicted step time."""
+    """Per-layer costs (execution order) and the predicted step time: their sum (`serial_s`) less the
+    all-reduce seconds that run beside backward (`hidden_s`, see `hidden_sync`)."""
 
     layers: dict[str, LayerCost]
+    hidden_s: float = 0.0
+
+    @property
+    def serial_s(self) -> float:
+        """Every layer's compute, sync and transfer one after the other."""
+        return sum(cost.total_s for cost in self.layers.values())
 
     @property
     def total_s(self) -> float:
-        return sum(cost.total_s for cost in self.layers.values())
+        return self.serial_s - self.hidden_s
 
 
 def halo_share(graph: LayerGraph, layer: Layer) -> float:
@@ -271,22 +289,47 @@ def evaluate(
         transfer[producer] += move(producer, placements[producer], full, None)
     for layer in graph.layers:
         transfer[layer.name] += halo_time(profile.comm, layer, placements[layer.name], global_batch_size)
-    return StepCost(
-        {
-            layer.name: LayerCost(
-                compute_time(
-                    profile,
-                    layer,
-                    placements[layer.name],
-                    global_batch_size,
-                    halo=halo_share(graph, layer),
-                ),
-                profile.comm.allreduce_time(placements[layer.name].width, synced[layer.name]),
-                transfer[layer.name],
-            )
-            for layer in graph.layers
-        }
-    )
+    layers = {
+        layer.name: LayerCost(
+            compute_time(
+                profile,
+                layer,
+                placements[layer.name],
+                global_batch_size,
+                halo=halo_share(graph, layer),
+            ),
+            profile.comm.allreduce_time(placements[layer.name].width, synced[layer.name]),
+            transfer[layer.name],
+        )
+        for layer in graph.layers
+    }
+    hidden = hidden_sync(graph, placements, layers, synced, profile.comm) if profile.comm.overlap else 0.0
+    return StepCost(layers, hidden)
+
+
+def hidden_sync(
+    graph: LayerGraph,
+    placements: Mapping[str, Placement],
+    layers: Mapping[str, LayerCost],
+    synced: Mapping[str, int],
+    comm: CommProfile,
+) -> float:
+    """Sync seconds that run while backward still computes (module docstring, overlap): every sync
+    second but those the last all-reduce runs past backward's end."""
+    clock = sum((1 - BACKWARD_SHARE) * c.compute_s + c.transfer_s / 2 for c in layers.values())
+    free = 0.0  # when the all-reduce before the next one is done
+    first = True
+    for run in reversed(equal_width_runs((layer.name for layer in graph.layers), placements)):
+        done: dict[str, float] = {}
+        for name in reversed(run):
+            clock += BACKWARD_SHARE * layers[name].compute_s + layers[name].transfer_s / 2
+            done[name] = clock
+        sized = [(name, synced[name]) for name in reversed(run) if layers[name].sync_s > 0]
+        for bucket in cut_into_buckets(sized, comm.bucket_bytes, first=first):
+            first = False
+            free = max(free, done[bucket[-1]]) + sum(layers[name].sync_s for name in bucket)
+    total = sum(c.sync_s for c in layers.values())
+    return total - max(0.0, free - clock)
 
 
 def ddp_widths(graph: LayerGraph, world_size: int) -> dict[str, int]:

@@ -47,7 +47,8 @@ class LayerPlan:
 class Plan:
     """Placements of every layer (execution order) for one graph, world size and global batch size.
 
-    The predicted step times are the sum of the layers' costs plus `optimizer_s`, the update of every
+    The predicted step times are the sum of the layers' costs less `hidden_sync_s`, the all-reduce
+    seconds that run beside backward (`cost.hidden_sync`), plus `optimizer_s`, the update of every
     parameter that rank 0 (which owns every layer) does each step, and `sync_wait_s`, the ranks' wait
     for each other (see `CommProfile`).
     """
@@ -62,6 +63,7 @@ class Plan:
     optimizer_s: float = 0.0
     sync_wait_s: float = 0.0
     limited: tuple[str, ...] = ()  # layers the amplification limit kept from some placements
+    hidden_sync_s: float = 0.0
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -112,6 +114,7 @@ class Plan:
             "optimizer_s": self.optimizer_s,
             "sync_wait_s": self.sync_wait_s,
             "limited": list(self.limited),
+            "hidden_sync_s": self.hidden_sync_s,
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -134,6 +137,7 @@ class Plan:
             optimizer_s=float(data.get("optimizer_s", 0.0)),
             sync_wait_s=float(data.get("sync_wait_s", 0.0)),
             limited=tuple(data.get("limited", ())),
+            hidden_sync_s=float(data.get("hidden_sync_s", 0.0)),
         )
 
     def to_json(self) -> str:
@@ -187,10 +191,15 @@ class Plan:
             if seconds
         ]
         optimizer = f"; both include {' and '.join(per_step)}" if per_step else ""
+        hidden = (
+            f"; {self.hidden_sync_s * 1e3:.3f} ms of the sync column runs beside backward"
+            if self.hidden_sync_s
+            else ""
+        )
         footer = [
             f"predicted step time {self.predicted_step_time_s * 1e3:.3f} ms vs DDP "
             f"{self.predicted_ddp_step_time_s * 1e3:.3f} ms: speedup {self.speedup:.2f}x "
-            f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer})",
+            f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer}){hidden}",
             "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
         ]
         if self.limited:
@@ -300,6 +309,7 @@ def plan_with_widths(
         optimizer_s=profile.optimizer_s,
         sync_wait_s=profile.comm.sync_wait_s,
         limited=limited,
+        hidden_sync_s=step.hidden_s,
         graph_fingerprint=graph.fingerprint,
         layers=tuple(
             LayerPlan(

@@ -4,6 +4,10 @@ time under hard constraints, by dynamic programming over the layers in execution
 - states: the placements of the *live* values (produced and still read by a later layer): one in a
   chain, two in a residual block. Exact while at most ``max_states`` states survive a layer; beyond,
   the cheapest are kept (a beam search, a heuristic).
+- the step it minimizes is the *serial* one (`cost.StepCost.serial_s`: every all-reduce after
+  backward), a sum over layers; where all-reduces run beside backward (``comm.overlap``), a step is
+  not a sum over layers, and the plan found is then compared with full width, and widened, by the
+  overlapped step (`cost.evaluate`), so it is never predicted slower than full width.
 - unsplit candidates (`candidate_widths`): every width 1..N while N <= ``EXHAUSTIVE_UP_TO``; above, for
   each distinct per-device batch ``ceil(B / w)`` the smallest such w, plus N. Widths of one per-device
   batch compute alike but split the batch differently, so not alike for transfers: the exhaustive set

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_deeppool.ir.graph import LayerGraph
-from lightning_deeppool.ir.profile import AlphaBeta, Profile
+from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, Profile
 from lightning_deeppool.planner import checks, cost
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import search
@@ -199,7 +199,8 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
         f"times scaled by {comm.allreduce_scale:.2f} (a training pass's gradients over messages timed "
         f"alone); the ranks' wait for each other, {comm.sync_wait_s * 1e3:.3f} ms a step as measured, at "
         "every device count",
-        "not modelled: overlap of compute and communication, contention between concurrent transfers, "
+        _overlap(comm),
+        "not modelled: contention between concurrent transfers, or between communication and compute; "
         "topology (one link model for every pair of devices)",
     ]
     if any(spatial_summary(p.plan) for p in projections):
@@ -214,6 +215,15 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
             "valued as the same model on one device"
         )
     return "\n".join(f"assumes {line}" for line in lines)
+
+
+def _overlap(comm: CommProfile) -> str:
+    if not comm.overlap:
+        return "gradient all-reduces after backward, not beside it (as on CPU ranks, whose cores do both)"
+    return (
+        "gradient all-reduces beside backward: a bucket starts once its last layer's backward "
+        f"({cost.BACKWARD_SHARE:.0%} of the layer's profiled time) and the bucket before it are done"
+    )
 
 
 def _describe(link: AlphaBeta) -> str:

@@ -71,7 +71,12 @@ def measure_comm(
     if redistribute is not None:  # rank 0 always measures it; the other ranks take rank 0's result
         result = [
             CommProfile(
-                link=redistribute, allreduce=allreduce, redistribute=redistribute, measured=True, halo=halo
+                link=redistribute,
+                allreduce=allreduce,
+                redistribute=redistribute,
+                measured=True,
+                halo=halo,
+                overlap=device.type != "cpu",
             )
         ]
     dist.broadcast_object_list(result, src=0, device=device if device.type == "cuda" else None)

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from lightning_deeppool.capture import CapturedGraph
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
+from lightning_deeppool.ir.buckets import cut_into_buckets
 from lightning_deeppool.ir.placement import per_device_batch
 from lightning_deeppool.ir.profile import CommProfile, LayerProfile, Profile
-from lightning_deeppool.lowering.schedule import cut_into_buckets
 from lightning_deeppool.profiling.cache import load_cached_profile, profile_cache_key, save_cached_profile
 from lightning_deeppool.profiling.comm import measure_comm
 from lightning_deeppool.profiling.layers import (
@@ -159,7 +159,7 @@ def _mean_over_ranks(measure: Callable[[], float]) -> float:
 
 
 def _all_reduce_in_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> None:
-    """All-reduce gradients in buckets cut as the runtime cuts them (`schedule.cut_into_buckets`), in
+    """All-reduce gradients in buckets cut as the runtime cuts them (`buckets.cut_into_buckets`), in
     reverse order as backward meets them, a bucket of one gradient in place; launched together, then
     waited for."""
     sized = [(grad, grad.numel() * grad.element_size()) for grad in reversed(grads)]
