@@ -31,10 +31,11 @@ from lightning_deeppool.comm.messages import GroupMessages, connect_local_links
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.lowering.schedule import Schedule, build_schedule
-from lightning_deeppool.planner.plan import Plan
+from lightning_deeppool.planner.plan import Plan, validate_plan
 from lightning_deeppool.planner.search import search
 from lightning_deeppool.profiling.cache import default_cache_dir
 from lightning_deeppool.profiling.on_ranks import profile_on_ranks
+from lightning_deeppool.runtime.call import SAME_SHAPES_IN_A_STEP
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import IdleWindows, ScheduleWindows
 from lightning_deeppool.runtime.runtime import BurstRuntime
@@ -91,17 +92,7 @@ def install(
     world_size = dist.get_world_size()
     # Before capture: a rank without samples cannot capture, and must fail with the others.
     global_batch = _global_batch_size(args, kwargs, world_size, idle, options.shared_batch)
-    captured = on_every_rank(
-        lambda: capture_graph(
-            target,
-            args,
-            kwargs,
-            leaf_modules=options.leaf_modules,
-            granularity=options.granularity,
-            compiler=compiler,
-        )
-    )
-    _check_same_capture(captured)
+    captured = _capture(options, target, args, kwargs, compiler)
     if options.shared_batch:
         _check_shareable(captured)
     profile = None
@@ -126,6 +117,43 @@ def install(
     )
     installed.profile = profile
     return installed
+
+
+def capture_shape(
+    options: PlanOptions,
+    installed: InstalledPlan,
+    target: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    compiler: Compiler | None = None,
+) -> None:
+    """Capture `target`'s forward again on this call's batch, whose per-sample shapes no earlier capture
+    had, and run the installed plan on that graph from now on: not profiled or planned again. Collective."""
+    captured = _capture(options, target, args, kwargs, compiler)
+    on_every_rank(lambda: installed.add_shape(captured))
+
+
+def _capture(
+    options: PlanOptions,
+    target: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    compiler: Compiler | None,
+) -> CapturedGraph:
+    """`target`'s forward captured on every rank's own batch: the same graph on every rank, or an
+    error on every rank. Collective."""
+    captured = on_every_rank(
+        lambda: capture_graph(
+            target,
+            args,
+            kwargs,
+            leaf_modules=options.leaf_modules,
+            granularity=options.granularity,
+            compiler=compiler,
+        )
+    )
+    _check_same_capture(captured)
+    return captured
 
 
 def _profile(
@@ -193,8 +221,12 @@ class InstalledPlan:
     names: dict[int, str]  # parameter id -> name in the gradient synchronisation
     widths: dict[str, int]  # name -> how many ranks (0..w-1) hold it
     unheld_gradients: UnheldGradients | None  # where the user reads gradients
+    param_bytes: dict[str, int]  # planned parameter name -> bytes
+    bucket_bytes: int
     profile: Profile | None = None  # what planned it, where it was planned in this fit
     settled: bool = False
+    # repr of per-sample shapes and dtypes -> the graph captured at them, its schedule and runtime
+    _shapes: dict[str, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
 
     @classmethod
@@ -214,13 +246,9 @@ class InstalledPlan:
         synchronisation and runtime. Collective."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
         params, unplanned = _parameters(root, captured)
+        param_bytes = {name: p.numel() * p.element_size() for name, p in params.items()}
         schedule = build_schedule(
-            captured.graph,
-            plan.placements(),
-            captured.layer_params,
-            {name: p.numel() * p.element_size() for name, p in params.items()},
-            world_size,
-            bucket_bytes,
+            captured.graph, plan.placements(), captured.layer_params, param_bytes, world_size, bucket_bytes
         )
         widths = {name: schedule.param_widths.get(name, world_size) for name in params}
         widths.update(dict.fromkeys(unplanned, world_size))
@@ -259,7 +287,59 @@ class InstalledPlan:
             if reads_gradients
             else None
         )
-        return cls(plan, captured, schedule, groups, runtime, grad_sync, names, widths, unheld)
+        return cls(
+            plan,
+            captured,
+            schedule,
+            groups,
+            runtime,
+            grad_sync,
+            names,
+            widths,
+            unheld,
+            param_bytes,
+            bucket_bytes,
+        )
+
+    def use_shape(self, samples: list[Any]) -> bool:
+        """Switch to the graph captured at these per-sample shapes and dtypes, where one was (else
+        False: capture it, `capture_shape`)."""
+        self._shapes.setdefault(repr(self.captured.samples), (self.captured, self.schedule, self.runtime))
+        found = self._shapes.get(repr(samples))
+        if found is not None:
+            self.captured, self.schedule, self.runtime = found
+        return found is not None
+
+    def add_shape(self, captured: CapturedGraph) -> None:
+        """Run the plan on `captured` (the planned forward captured at other per-sample shapes) from now
+        on. Raises ValueError, naming what differs, if its structure is not the planned one or a layer
+        can no longer run at its placement (fewer rows than parts)."""
+        if captured.graph.structure != self.captured.graph.structure:
+            before = {layer.name for layer in self.captured.graph.layers}
+            new = [layer.name for layer in captured.graph.layers if layer.name not in before]
+            detail = f"new layers {new[:5]}" if new else "the same layers with other operations or inputs"
+            raise ValueError(
+                f"deeppool: at per-sample shapes {captured.samples} the planned forward has another "
+                f"structure than at {self.captured.samples} ({detail}), so the plan cannot run it. "
+                "Pad inputs to one shape, or keep forward's layers the same at every shape"
+            )
+        try:
+            validate_plan(self.plan, captured.graph)
+        except ValueError as err:
+            raise ValueError(
+                f"deeppool: the plan cannot run at per-sample shapes {captured.samples}: {err}"
+            ) from err
+        schedule = build_schedule(
+            captured.graph,
+            self.plan.placements(),
+            captured.layer_params,
+            self.param_bytes,
+            self.schedule.world_size,
+            self.bucket_bytes,
+        )
+        self.captured, self.schedule = captured, schedule
+        self.runtime = self.runtime.for_shape(captured, schedule)
+        self._shapes[repr(self.captured.samples)] = (captured, schedule, self.runtime)
 
     @functools.cached_property
     def data_parallel(self) -> bool:
@@ -401,13 +481,17 @@ def _check_shareable(captured: CapturedGraph) -> None:
 
 def _check_same_capture(captured: CapturedGraph) -> None:
     """Every rank must have captured the same graph (capture runs on each rank's own batch)."""
-    prints: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(prints, captured.graph.fingerprint)
-    if len(set(prints)) > 1:
-        raise RuntimeError(
-            f"ranks captured different graphs (fingerprints {prints}): the forward's structure depends on "
-            "each rank's data. Make forward's control flow independent of the batch"
-        )
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (captured.graph.fingerprint, repr(captured.samples)))
+    if len({fingerprint for fingerprint, _ in seen}) == 1:
+        return
+    shapes = [samples for _, samples in seen]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"deeppool: {SAME_SHAPES_IN_A_STEP} (per-sample shapes by rank: {shapes})")
+    raise RuntimeError(
+        f"ranks captured different graphs (fingerprints {[f for f, _ in seen]}): the forward's structure "
+        "depends on each rank's data. Make forward's control flow independent of the batch"
+    )
 
 
 def _prune_optimizers(optimizers: Sequence[Any], keep: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -207,11 +207,16 @@ class Batches(IterableDataset):
         return len(self.batches)
 
 
-def reference_loader(dataset: Dataset, global_batch: int, seed: int = SEED) -> DataLoader:
+def reference_loader(
+    dataset: Dataset,
+    global_batch: int,
+    seed: int = SEED,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader:
     """The global batches Lightning's shuffling DistributedSampler gives every deeppool rank, in one
     process: the same permutation (seeded like PL_GLOBAL_SEED), `global_batch` samples a step."""
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-    return DataLoader(dataset, batch_size=global_batch, sampler=sampler)
+    return DataLoader(dataset, batch_size=global_batch, sampler=sampler, collate_fn=collate_fn)
 
 
 def reference_fit(
@@ -222,12 +227,14 @@ def reference_fit(
     seed: int = SEED,
     ckpt_path: str | None = None,
     val_dataloaders: DataLoader | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
     **overrides: Any,
 ) -> pl.Trainer:
     """Train `model` on one device over the same global batches a distributed run would see."""
     pl.seed_everything(seed, verbose=False)
     trainer = pl.Trainer(**trainer_kwargs(devices=1, use_distributed_sampler=False, **overrides))
-    trainer.fit(model, reference_loader(dataset, global_batch, seed), val_dataloaders, ckpt_path=ckpt_path)
+    loader = reference_loader(dataset, global_batch, seed, collate_fn)
+    trainer.fit(model, loader, val_dataloaders, ckpt_path=ckpt_path)
     return trainer
 
 

@@ -48,6 +48,20 @@ class MixingMLP(MLP):
         return self.head(y - y.mean(0, keepdim=True))
 
 
+class NarrowsWideImages(MLP):
+    """Images 10 pixels wide go through a convolution that makes them 8 wide: a layer only some input
+    shapes have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow = nn.Conv2d(3, 3, (1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == 10:
+            x = self.narrow(x)
+        return super().forward(x)
+
+
 class NoForwardMLP(MLP):
     """training_step uses the layers directly and never calls self(...)."""
 
@@ -103,9 +117,13 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
     x, y = images(1).tensors
     empty = DataLoader([(x, y) if rank == 0 else (x[:0], y[:0])], batch_size=None)
     x8, y8 = images(8).tensors
-    # Flattened, both shapes fit the MLP; the capture is specialized to the first. (An iterable
+    # Flattened, both shapes fit the MLP, but rank 1 alone changes shape in step 2. (An iterable
     # dataset: every rank gets both batches, in order.)
-    reshaped = DataLoader(Batches([(x8, y8), (x8.reshape(8, 3, 4, 16), y8)]), batch_size=None)
+    x_rank = x8.reshape(8, 3, 4, 16) if rank == 1 else x8
+    one_rank_reshaped = DataLoader(Batches([(x8, y8), (x_rank, y8)]), batch_size=None)
+    x10 = torch.randn(8, 3, 8, 10)
+    resized = DataLoader(Batches([(x8, y8), (x10, y8)]), batch_size=None)
+    first_differs = DataLoader(Batches([(x10 if rank == 1 else x8, y8)]), batch_size=None)
     # A shared batch read with a random flip of its own on rank 1: the same values, elsewhere.
     flipped = DataLoader([(x8.flip(3) if rank == 1 else x8, y8)], batch_size=None)
     return {
@@ -118,7 +136,15 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
         "training_step without forward": _fit_error(NoForwardMLP(), root, plan={"": 2}),
         "mixes samples": _fit_error(MixingMLP(), root),
         # A burst plan: a data-parallel one runs each rank's own forward, where both are harmless.
-        "per-sample shape changes": _fit_error(make_model("mlp"), root, data=reshaped, steps=2, plan=BURST),
+        "one rank's per-sample shape changes": _fit_error(
+            make_model("mlp"), root, data=one_rank_reshaped, steps=2, plan=BURST
+        ),
+        "first batches differ in shape": _fit_error(
+            NarrowsWideImages(), root, data=first_differs, plan=BURST
+        ),
+        "structure changes with the shape": _fit_error(
+            NarrowsWideImages(), root, data=resized, steps=2, plan=BURST
+        ),
         "one rank's arguments change": _fit_error(OneRankChangesAnArgument(), root, steps=2, plan=BURST),
         "shared batch differs": _fit_error(
             make_model("mlp"), root, data=flipped, plan=BURST, shared_batch=True
@@ -180,9 +206,23 @@ def test_a_forward_that_mixes_samples_is_refused_on_every_rank(errors):
     assert text.count("mixes samples") == 2
 
 
-def test_a_batch_of_another_per_sample_shape_asks_for_padding(errors):
-    text = _on_every_rank(errors, "per-sample shape changes")
-    assert text.count("captured for inputs of per-sample shapes") == 2
+def test_one_rank_changing_shape_in_a_step_fails_on_every_rank(errors):
+    text = _on_every_rank(errors, "one rank's per-sample shape changes")
+    assert text.count("different per-sample shapes, dtypes or arguments") == 2
+    assert text.count("every rank's batch must have the same per-sample shape") == 2
+
+
+def test_first_batches_of_different_shapes_name_each_ranks_shape(errors):
+    text = _on_every_rank(errors, "first batches differ in shape")
+    assert text.count("every rank's batch must have the same per-sample shape") == 2
+    assert text.count("((3, 8, 10), torch.float32)") == 2
+
+
+def test_a_new_shape_that_changes_the_layers_is_refused_on_every_rank(errors):
+    text = _on_every_rank(errors, "structure changes with the shape")
+    new_shape = "at per-sample shapes [((3, 8, 10), torch.float32)] the planned forward has another structure"
+    assert text.count(new_shape) == 2
+    assert text.count("new layers ['narrow']") == 2
 
 
 def test_arguments_one_rank_cannot_bind_fail_every_rank(errors):

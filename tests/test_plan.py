@@ -128,6 +128,18 @@ def test_check_matches_notices_same_names_but_other_sizes():
         plan.check_matches(chain(3, params=2000), 4)
 
 
+def test_a_graph_at_other_per_sample_sizes_keeps_its_structure_but_not_its_fingerprint():
+    short, long = chain(3, params=1000, sample_bytes=64), chain(3, params=1000, sample_bytes=96)
+    assert short.structure == long.structure
+    assert short.fingerprint != long.fingerprint
+
+
+def test_other_layers_or_parameters_change_the_structure():
+    graph = chain(3, params=1000)
+    assert chain(4, params=1000).structure != graph.structure
+    assert chain(3, params=2000).structure != graph.structure
+
+
 def test_check_matches_names_a_different_world_size():
     plan, graph = make_plan()
     with pytest.raises(ValueError, match=r"made for world size 4, but the world size is 8; plan again"):

@@ -50,7 +50,7 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
             trainer = pl.Trainer(
                 **trainer_kwargs(devices=world, strategy="ddp", default_root_dir=root, **_trainer(case))
             )
-            trainer.fit(ddp, DataLoader(data, batch_size=case.local_batch))
+            trainer.fit(ddp, _loader(case, data, case.local_batch))
             outcome["ddp"] = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
         model = _fresh(case, inits[name])
         callbacks = case.callbacks()
@@ -63,7 +63,7 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
             )
         )
         fitted = torch.compile(model, backend="eager") if case.compiled else model
-        trainer.fit(fitted, DataLoader(data, batch_size=case.local_batch))
+        trainer.fit(fitted, _loader(case, data, case.local_batch))
         assert strategy.plan is not None
         if case.probe is not None and rank == 0:
             with torch.no_grad():
@@ -83,12 +83,17 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
     return results
 
 
+def _loader(case: Case, data: Any, batch_size: int) -> DataLoader:
+    return DataLoader(data, batch_size=batch_size, collate_fn=case.collate() if case.collate else None)
+
+
 def _reference(name: str, case: Case, world: int) -> pl.LightningModule:
     model = _fresh(case)
     reference_fit(
         model,
         case.data(4 * case.local_batch * world),
         case.local_batch * world,
+        collate_fn=case.collate() if case.collate else None,
         callbacks=case.callbacks(),
         **_trainer(case, enable_model_summary=False),
     )

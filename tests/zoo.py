@@ -4,7 +4,8 @@ Language models from Lightning's demos, Hugging Face `transformers` (built from 
 downloaded) and `torch.nn`; a BatchNorm ResNet; and the ways Lightning projects call their models:
 two forwards per step, a rank-0-only forward in `training_step` and in a callback, a model summary
 with `example_input_array`, manual optimization with two optimizers, a dict of inputs, frozen, tied
-and outside-forward parameters, trainable code before the planned module. No dropout, SGD everywhere.
+and outside-forward parameters, trainable code before the planned module, sequence lengths and image
+sizes that change from batch to batch. No dropout, SGD everywhere.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from models import CLASSES, MLP, Classifier, ConvNet, images
 
 VOCAB, SEQ = 48, 10
 
 
-def tokens(n: int, seed: int = 0) -> TensorDataset:
+def tokens(n: int, seed: int = 0, length: int = SEQ) -> TensorDataset:
     """`n` sequences of token ids and their next tokens."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    ids = torch.randint(0, VOCAB, (n, length + 1), generator=g)
     return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
 
 
@@ -38,6 +39,36 @@ def masked_tokens(n: int, seed: int = 0) -> TensorDataset:
     lengths = torch.randint(SEQ // 2, SEQ + 1, (n, 1), generator=g)
     mask = (torch.arange(SEQ) < lengths).long()
     return TensorDataset(ids, mask, torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+class OneShapePerBatch:
+    """A collate function that gives the k-th batch the k-th of `sizes` (cycling) by `resize`: every
+    batch its own shape, the same on every rank at each step, as multi-scale training picks an image
+    size per step and random-length cropping a sequence length."""
+
+    def __init__(self, resize: Callable[[Any, int], Any], sizes: tuple[int, ...]) -> None:
+        self.resize, self.sizes, self.batches = resize, sizes, 0
+
+    def __call__(self, samples: list[Any]) -> Any:
+        size = self.sizes[self.batches % len(self.sizes)]
+        self.batches += 1
+        return self.resize(default_collate(samples), size)
+
+
+def sequence_lengths() -> OneShapePerBatch:
+    """Batches of `SEQ + 3` tokens cut to 10, 6, 10, 13 tokens: a length seen before comes back, then
+    a new one."""
+    return OneShapePerBatch(lambda batch, t: [part[:, :t] for part in batch], (SEQ, SEQ - 4, SEQ, SEQ + 3))
+
+
+def image_sizes() -> OneShapePerBatch:
+    """Batches of 16x16 images resized to 16, 12, 16 and 20 pixels a side."""
+
+    def resize(batch: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+        x, y = batch
+        return [F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False), y]
+
+    return OneShapePerBatch(resize, (16, 12, 16, 20))
 
 
 class LanguageModel(pl.LightningModule):
@@ -422,6 +453,25 @@ class PooledHeadCNN(Classifier):
         return self.head(torch.flatten(self.pool(self.down(self.stem(x))), 1))
 
 
+class NanoGPT(LanguageModel):
+    """nanoGPT's shape handling: `b, t = ids.size()`, positions `arange(t)` and a causal mask for `t`
+    made in forward, so every batch's own sequence length runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 32)
+        self.positions = nn.Embedding(2 * SEQ, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _, t = ids.size()
+        x = self.tokens(ids) + self.positions(torch.arange(t, device=ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device)
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+
 class CompiledBody(ConvNet):
     """`torch.compile` applied to a submodule in `__init__` (the eager backend: nothing to build)."""
 
@@ -444,6 +494,7 @@ class Case:
     local_batch: int = 4
     probe: Callable[[], torch.Tensor] | None = None  # rank 0 alone predicts on it after fit
     compiled: bool = False  # given to fit as `torch.compile(model)`
+    collate: Callable[[], Callable[[list[Any]], Any]] | None = None  # makes each loader's collate_fn
 
 
 def _pins(narrow: str, middle: str) -> dict[int, dict[str, int]]:
@@ -497,6 +548,23 @@ CASES: dict[str, Case] = {
             2: {"": 2, "down": {"width": 2, "spatial": 2}, "head": 1},
             3: {"": 3, "stem": 2, "down": {"width": 3, "spatial": 3}, "head": 1},
         },
+    ),
+    "sequence-length-changes-between-batches": Case(
+        NanoGPT,
+        lambda n: tokens(n, length=SEQ + 3),
+        _pins("head", "blocks.layers.1"),
+        trainer={"max_steps": 4},
+        collate=sequence_lengths,
+    ),
+    "image-size-changes-between-batches-split-by-height": Case(
+        PooledHeadCNN,
+        lambda n: images(n, size=(16, 16)),
+        {
+            2: {"": 2, "down": {"width": 2, "spatial": 2}, "head": 1},
+            3: {"": 3, "stem": 2, "down": {"width": 3, "spatial": 3}, "head": 1},
+        },
+        trainer={"max_steps": 4},
+        collate=image_sizes,
     ),
     "fit-given-a-compiled-model": Case(ConvNet, images, _pins("head", "features.2"), compiled=True),
     "compiled-submodule": Case(CompiledBody, images, _pins("head", "features.2")),

@@ -82,6 +82,12 @@ class CapturedGraph:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
+    @property
+    def samples(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The per-sample shape and dtype of each batch input it was captured at."""
+        leaves = [self.meta[name].leaves[0] for name in self.batch_inputs]
+        return [(leaf.shape, leaf.dtype) for leaf in leaves]
+
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Graph inputs of a call: ``{input name: tensor}``. Raises ValueError naming what differs
         from the captured call (structure or a non-tensor argument)."""

@@ -144,6 +144,15 @@ class LayerGraph:
         payload = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(payload).hexdigest()[:16]
 
+    @property
+    def structure(self) -> str:
+        """A stable hash of what per-sample shapes do not change (names, ops, targets, edges, parameters):
+        a plan made for this graph runs the same graph captured at other shapes."""
+        data = self.to_dict()
+        data["inputs"] = [i["name"] for i in data["inputs"]]
+        data["layers"] = [{k: v for k, v in layer.items() if k not in _SIZES} for layer in data["layers"]]
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "inputs": [asdict(i) for i in self.inputs],
@@ -162,6 +171,9 @@ class LayerGraph:
             outputs=tuple(data["outputs"]),
             tied=tuple(Tied(**{**t, "users": tuple(t["users"])}) for t in data.get("tied", ())),
         )
+
+
+_SIZES = ("sample_bytes", "height", "halo_bytes")  # a layer's fields that follow the per-sample shape
 
 
 def under(path: str, prefix: str) -> bool:

@@ -18,6 +18,11 @@ from lightning_deeppool.capture import CapturedGraph, GuardError
 from lightning_deeppool.runtime.shared_batch import checksum, shares
 
 OK, GUARD_FAILED, INVALID = 0, 1, 2
+SAME_SHAPES_IN_A_STEP = (
+    "deeppool moves samples between ranks, so in each step every rank's batch must have the same "
+    "per-sample shape (shapes may change from step to step). Pad to a length every rank uses: a fixed "
+    "one, or one a collate function or batch sampler picks the same way on every rank for each step"
+)
 
 
 class Row(NamedTuple):
@@ -41,6 +46,11 @@ class Call:
     row: Row
     error: Exception | None = None
 
+    @property
+    def samples(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The per-sample shape and dtype of each batch input."""
+        return [(tuple(t.shape[1:]), t.dtype) for t in self.batch.values()]
+
 
 def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any], *, shared: bool) -> Call:
     """Bind a call and summarize it. A call that cannot run is marked `INVALID` (its error kept
@@ -61,10 +71,9 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
             raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
     except (TypeError, ValueError) as err:
         return Call({}, {}, {}, "", Row(0, 0, INVALID, 0), err)
-    samples = [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
     signature = repr(
         (
-            samples,
+            [(tuple(t.shape[1:]), t.dtype) for t in batch.values()],
             [v.tolist() if isinstance(v, torch.Tensor) else v for v in scalars.values()],
             sorted(input_grads.items()),
         )
@@ -77,6 +86,14 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
     digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
     data = checksum(list(batch.values())) if shared else 0
     return Call(batch, scalars, input_grads, signature, Row(found.pop(), digest, outcome, data), error)
+
+
+def new_shape(call: Call, every_row: Sequence[Sequence[int]], captured_samples: list[Any]) -> bool:
+    """Whether every rank can make the call, with the same per-sample signature, but at per-sample
+    shapes or dtypes other than the captured ones: the same answer on every rank."""
+    rows = [Row(*row) for row in every_row]
+    agreed = all(row.outcome == OK for row in rows) and len({row.signature for row in rows}) == 1
+    return agreed and call.samples != captured_samples
 
 
 def check(
@@ -100,9 +117,8 @@ def check(
         raise GuardError(f"deeppool: a captured branch no longer holds on ranks {failed[GUARD_FAILED]}")
     if len({row.signature for row in rows}) > 1:
         raise ValueError(
-            "ranks called the planned forward with different per-sample shapes, dtypes or arguments in "
-            "the same step; deeppool moves samples between ranks, so every rank's inputs must have the "
-            f"same per-sample shape (this rank: {call.signature})"
+            f"deeppool: ranks called the planned forward with different per-sample shapes, dtypes or "
+            f"arguments: {SAME_SHAPES_IN_A_STEP} (this rank's call: {call.signature})"
         )
     if shared and len({(row.samples, row.checksum) for row in rows}) > 1:
         raise ValueError(
@@ -110,8 +126,7 @@ def check(
             f"differ (samples per rank: {[row.samples for row in rows]}); give every rank the same data "
             "in the same order (the strategy's sampler does; a custom sampler must too)"
         )
-    samples = [(tuple(t.shape[1:]), t.dtype) for t in call.batch.values()]
-    if samples != captured_samples:
+    if call.samples != captured_samples:
         raise ValueError(
             "the planned forward was captured for inputs of per-sample shapes and dtypes "
             f"{captured_samples}; this step's inputs differ. "

@@ -24,7 +24,7 @@ from lightning_deeppool.comm.messages import GroupMessages, Messages
 from lightning_deeppool.ir.placement import Layout, Placement
 from lightning_deeppool.ir.rows import SPLIT_DIM
 from lightning_deeppool.lowering.schedule import Action, Schedule, Stage
-from lightning_deeppool.runtime.call import Call, Row, check, prepare
+from lightning_deeppool.runtime.call import Call, Row, check, new_shape, prepare
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import ScheduleWindows
 from lightning_deeppool.runtime.redistribute import block_of_whole, redistribute
@@ -97,10 +97,6 @@ class BurstRuntime:
         self.running: Action | None = None  # the action a failure stopped the schedule at, if any
         self._last_pass = False
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
-        self._captured_samples = [
-            (meta.leaves[0].shape, meta.leaves[0].dtype)
-            for meta in (captured.meta[name] for name in captured.batch_inputs)
-        ]
         self._handlers: dict[str, Callable[[_CallState, Action], None]] = {
             "forward": self._forward_stage,
             "send": self._send,
@@ -129,9 +125,29 @@ class BurstRuntime:
             dist.all_gather(gathered, mine, group=self.redistribution)
         return [Row(*t.tolist()) for t in gathered]
 
+    def fits(self, call: Call, rows: Sequence[Sequence[int]]) -> bool:
+        """False where every rank's row agrees on a call at other per-sample shapes than this runtime's
+        (the same answer on every rank): the call needs the graph captured at its shapes."""
+        return not new_shape(call, rows, self.captured.samples)
+
+    def for_shape(self, captured: CapturedGraph, schedule: Schedule) -> BurstRuntime:
+        """A runtime for the same plan's graph captured at other per-sample shapes, sharing this one's
+        gradient synchronisation, links and idle windows."""
+        return BurstRuntime(
+            captured,
+            schedule,
+            rank=self.rank,
+            device=self.device,
+            grad_sync=self.grad_sync,
+            windows=self.windows,
+            redistribution=self.redistribution,
+            messages=self.messages,
+            shared=self.shared,
+        )
+
     def run(self, call: Call, rows: Sequence[Sequence[int]]) -> Any:
         """Run a prepared call, given every rank's row of it (raises on every rank if one cannot run)."""
-        counts = check(call, rows, self._captured_samples, shared=self.shared)
+        counts = check(call, rows, self.captured.samples, shared=self.shared)
         batch = call.batch
         key = (
             call.signature,

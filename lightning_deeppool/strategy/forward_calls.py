@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from lightning_deeppool.comm.fail_together import on_rank_zero
 from lightning_deeppool.install import InstalledPlan
 from lightning_deeppool.runtime.call import Call
+from lightning_deeppool.runtime.runtime import BurstRuntime
 from lightning_deeppool.runtime.verify import first_difference
 from lightning_deeppool.strategy.call_agreement import CallAgreement, call_site
 from lightning_deeppool.strategy.patches import own_forward, replace_forward, restore_forward
@@ -42,7 +43,7 @@ class ForwardCalls:
         self.stale = False  # this rank's copies of layers it does not run are out of date
         self.stale_anywhere = False  # some rank's are: a refresh is due (the same on every rank)
         self._pending = 0  # planned calls with gradients since the last backward
-        self._verified = False
+        self._verified: set[BurstRuntime] = set()  # the runtimes whose first call was checked
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self(args, kwargs)
@@ -118,18 +119,31 @@ class ForwardCalls:
         if installation is None:
             with own_forward(self.target):
                 installation = self.session.install(self.target, args, kwargs)
+        if call is not None and not installation.runtime.fits(call, rows):
+            call = self._at_shape(installation, call.samples, args, kwargs)
         runtime = installation.runtime
-        runtime.keep_last_step = not self._verified
+        runtime.keep_last_step = runtime not in self._verified
         outputs = runtime.forward(*args, **kwargs) if call is None else runtime.run(call, rows)
         if torch.is_grad_enabled():
             self._pending += 1
-        if not self._verified:
-            self._verified = True
+        if runtime not in self._verified:
+            self._verified.add(runtime)
             self._verify(installation, args, kwargs)
         return outputs
 
+    def _at_shape(
+        self, installation: InstalledPlan, samples: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Call:
+        """The call, prepared for the graph captured at its per-sample shapes `samples` (captured now, on
+        every rank, where none was): the plan is kept. Collective when it captures."""
+        if not installation.use_shape(samples):
+            with own_forward(self.target):
+                self.session.capture_shape(self.target, args, kwargs)
+        return installation.runtime.prepare(args, kwargs)
+
     def _verify(self, installation: InstalledPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Once, on the first planned call: rank 0 compares every layer with one device's values."""
+        """Once per captured graph, on its first planned call: rank 0 compares every layer with one
+        device's values."""
         step = installation.runtime.last_step
         installation.runtime.last_step = None
         captured = installation.captured

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_deeppool.install import Compiler, InstalledPlan, PlanOptions, install
+from lightning_deeppool.install import Compiler, InstalledPlan, PlanOptions, capture_shape, install
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.runtime.idle import IdleWindows
@@ -80,6 +80,13 @@ class PlanSession:
             self.profile = self.installed.profile
         self.step_times.restart()
         return self.installed
+
+    def capture_shape(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Capture the planned forward at this call's new per-sample shapes and run the installed plan on
+        it (collective)."""
+        if self.installed is None:
+            raise RuntimeError("deeppool: no plan is installed to run at new shapes")
+        capture_shape(self.options, self.installed, target, args, kwargs, self.fit.compiler)
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Reduce fresh gradients (of `optimizer`'s parameters, if given). Collective."""
