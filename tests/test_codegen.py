@@ -56,3 +56,26 @@ def test_nodes_that_ran_without_gradients_keep_the_interpreter():
     assert compilable(nodes)
     nodes[-1].meta["no_grad"] = True
     assert not compilable(nodes)
+
+
+def test_consecutive_layers_run_as_one_function_with_the_interpreters_values():
+    captured, inputs = _captured()
+    layers = [layer.name for layer in captured.graph.layers]
+    last = layers[-1]
+    outputs = captured.run_layers(layers, [layers[0], last], inputs, 4, {})
+    env = _interpreted(captured, inputs)
+    assert sorted(outputs) == sorted([layers[0], last])
+    for layer in (layers[0], last):
+        for name, value in zip(captured.code[layer].outputs, outputs[layer]):
+            assert torch.equal(value, env[name]), (layer, name)
+    assert isinstance(captured._stages[(tuple(layers), (layers[0], last))], CompiledLayer)
+    assert not captured._compiled  # no layer ran on its own
+
+
+def test_layers_that_cannot_run_as_generated_code_run_one_by_one():
+    captured, inputs = _captured()
+    layers = [layer.name for layer in captured.graph.layers]
+    captured.code[layers[0]].nodes[-1].meta["no_grad"] = True
+    outputs = captured.run_layers(layers, [layers[-1]], inputs, 4, {})
+    assert torch.equal(outputs[layers[-1]][0], captured.run_all(inputs, 4, {})[layers[-1]][0])
+    assert captured._stages[(tuple(layers), (layers[-1],))] is None

@@ -142,3 +142,9 @@ def test_the_users_compiler_compiles_the_planned_layers_on_every_rank(trained, n
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_code_runs_in_the_steps_after_the_first_on_every_rank(trained, name):
     assert all(rank[name]["runs"] > 0 for rank in trained)
+
+
+def test_compiled_layers_launch_once_per_stage(trained):
+    # {"": 2, "head": 1}: the two convolution layers are one stage on both ranks, the head another on
+    # rank 0 alone; each stage's forward is one compiled call a step.
+    assert [rank["compile-layers"]["runs"] for rank in trained] == [2 * (STEPS - 1), STEPS - 1]

@@ -56,9 +56,11 @@ class OneShapePerBatch:
 
 
 def sequence_lengths() -> OneShapePerBatch:
-    """Batches of `SEQ + 3` tokens cut to 10, 6, 10, 13 tokens: a length seen before comes back, then
-    a new one."""
-    return OneShapePerBatch(lambda batch, t: [part[:, :t] for part in batch], (SEQ, SEQ - 4, SEQ, SEQ + 3))
+    """Batches cut to 10, 6, 10, 13 tokens (at most their own length): a length seen before comes
+    back, then a new one."""
+    return OneShapePerBatch(
+        lambda batch, t: [part[:, :t].contiguous() for part in batch], (SEQ, SEQ - 4, SEQ, SEQ + 3)
+    )
 
 
 def image_sizes() -> OneShapePerBatch:
@@ -553,6 +555,13 @@ CASES: dict[str, Case] = {
         NanoGPT,
         lambda n: tokens(n, length=SEQ + 3),
         _pins("head", "blocks.layers.1"),
+        trainer={"max_steps": 4},
+        collate=sequence_lengths,
+    ),
+    "hf-bert-sequence-length-changes-between-batches": Case(
+        BERT,
+        masked_tokens,
+        _pins("model.cls", "model.bert.encoder.layer.1"),
         trainer={"max_steps": 4},
         collate=sequence_lengths,
     ),

@@ -36,6 +36,9 @@ class LayerCode:
     reads: tuple[tuple[str, tuple[str, ...]], ...]
 
 
+Evaluate = Callable[[dict[str, Any]], tuple[Any, ...]]  # node values read -> the values returned
+
+
 @dataclass(frozen=True)
 class CallSignature:
     """How a call's arguments become graph inputs: bind to `signature`, flatten, match `spec` and the
@@ -78,7 +81,8 @@ class CapturedGraph:
     stochastic: bool = False
     batch_statistics: bool = False
     compilers: tuple[tuple[str, Compiler], ...] = ()
-    _compiled: dict[str, Callable[[dict[str, Any]], tuple[Any, ...]]] = field(
+    _compiled: dict[str, Evaluate] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _stages: dict[tuple[tuple[str, ...], tuple[str, ...]], Evaluate | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -126,7 +130,49 @@ class CapturedGraph:
             run = self._compiled[name] = self._compile(name, code)
         return run(env)
 
-    def _compile(self, name: str, code: LayerCode) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    def run_layers(
+        self,
+        layers: Sequence[str],
+        outputs: Sequence[str],
+        values: Mapping[str, Any],
+        batch_size: int,
+        scalars: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Evaluate consecutive `layers` on `values` (the values of what they read from outside them)
+        for `batch_size` samples and return the values of `outputs`, some of them: as one generated
+        function (through their compiler, where they have one), else layer by layer."""
+        key = (tuple(layers), tuple(outputs))
+        if key not in self._stages:
+            self._stages[key] = self._compile_stage(*key)
+        run = self._stages[key]
+        if run is None:
+            found = self._one_by_one(layers, values, batch_size, scalars)
+            return {name: found[name] for name in outputs}
+        inside = set(layers)
+        env: dict[str, Any] = {BATCH_SIZE: batch_size, **scalars}
+        for name in layers:
+            for source, nodes in self.code[name].reads:
+                if source not in inside:
+                    unpack(self, source, values[source], env, nodes)
+        results, offset = {}, 0
+        flat = run(env)
+        for name in outputs:
+            count = len(self.code[name].outputs)
+            results[name] = flat[offset : offset + count]
+            offset += count
+        return results
+
+    def _compile_stage(self, layers: tuple[str, ...], outputs: tuple[str, ...]) -> Evaluate | None:
+        """Several layers as one generated function, where each could be one and they share a
+        compiler: a stage launches once (one compiled graph), not once per layer."""
+        nodes = tuple(dict.fromkeys(node for name in layers for node in self.code[name].nodes))
+        compilers = {id(self._compiler(name)) for name in layers}
+        if len(layers) < 2 or len(compilers) > 1 or not compilable(nodes):
+            return None
+        returned = tuple(output for name in outputs for output in self.code[name].outputs)
+        return CompiledLayer(self.module, nodes, returned, self._compiler(layers[0]))
+
+    def _compile(self, name: str, code: LayerCode) -> Evaluate:
         """The layer as generated code where that runs it as the interpreter does (through the user's
         compiler of its module, if any), else interpreted."""
         if compilable(code.nodes):
@@ -167,10 +213,16 @@ class CapturedGraph:
         self, inputs: Mapping[str, Any], batch_size: int, scalars: Mapping[str, Any]
     ) -> dict[str, Any]:
         """Every layer's value, evaluated in order on one device (the reference of the plan)."""
-        values: dict[str, Any] = dict(inputs)
-        for layer in self.graph.layers:
-            values[layer.name] = self.run_layer(layer.name, values, batch_size, scalars)
-        return values
+        return self._one_by_one([layer.name for layer in self.graph.layers], inputs, batch_size, scalars)
+
+    def _one_by_one(
+        self, layers: Sequence[str], values: Mapping[str, Any], batch_size: int, scalars: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """`values` with the values of `layers`, each evaluated on its own, in order."""
+        found = dict(values)
+        for name in layers:
+            found[name] = self.run_layer(name, found, batch_size, scalars)
+        return found
 
 
 def unpack(

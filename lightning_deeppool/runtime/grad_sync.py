@@ -69,6 +69,7 @@ class GradSync:
         self._next = 0
         self._pending: list[tuple[Posted | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
         self._hooks: dict[str, list[Any]] = {}
+        self._unhooked = list(params)  # the parameters without hooks yet: frozen so far
         self.track_new_parameters()
 
     def _assign(self, buckets: list[Bucket], rank0_only: list[str], world: list[str]) -> None:
@@ -77,16 +78,22 @@ class GradSync:
         self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
         self._owned = {*self._bucket_of, *world, *rank0_only}
         self._storage: dict[int, torch.Tensor] = {}  # per bucket position: its gradients' flat storage
+        self._expected: dict[bool, list[int]] = {}  # `arm`'s counts per bucket, by its `once`
 
     # ------------------------------------------------------------------------------ contributions
     def track_new_parameters(self) -> None:
-        """Hook parameters that require grad and have no hook yet (unfrozen since, say)."""
-        for name, p in self.params.items():
-            if name not in self._hooks and p.requires_grad:
-                self._hooks[name] = [
-                    p.register_hook(self._before_accumulate(name)),
-                    p.register_post_accumulate_grad_hook(self._after_accumulate(name)),
-                ]
+        """Hook parameters that require grad and have no hook yet (unfrozen since, say): a loop over
+        the frozen ones only, at every call."""
+        hooked = [name for name in self._unhooked if self.params[name].requires_grad]
+        for name in hooked:
+            p = self.params[name]
+            self._hooks[name] = [
+                p.register_hook(self._before_accumulate(name)),
+                p.register_post_accumulate_grad_hook(self._after_accumulate(name)),
+            ]
+        if hooked:
+            self._unhooked = [name for name in self._unhooked if name not in self._hooks]
+            self._expected.clear()
 
     def _before_accumulate(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -135,11 +142,16 @@ class GradSync:
         self._armed = armed
         self._once = once
         self._next = 0
-        self._missing = [
-            sum(1 for n in b.params if self._single_use(n) and self.params[n].requires_grad)
-            + any(not self._single_use(n) for n in b.params)
-            for b in self.buckets
-        ]
+        if once not in self._expected:
+            # Per bucket: its hooked parameters a hook makes final, and one for the schedule's `sync`
+            # where some are shared. Computed when the hooks change; a parameter frozen since only
+            # keeps its bucket from launching before the step's sync.
+            self._expected[once] = [
+                sum(1 for n in b.params if self._single_use(n) and n in self._hooks)
+                + any(not self._single_use(n) for n in b.params)
+                for b in self.buckets
+            ]
+        self._missing = list(self._expected[once])
 
     def _single_use(self, name: str) -> bool:
         return self._once or self._uses.get(name, 1) == 1
@@ -259,6 +271,12 @@ class GradSync:
             if work is not None:
                 with self.waiting():
                     work.wait()
+            names = [name for name, _ in parts]
+            self._in_flight.difference_update(names)
+            self._reduced.update(names)
+            first = self.params[names[0]].grad
+            if first is not None and first.data_ptr() == flat.data_ptr():
+                continue  # the bucket's storage or a lone gradient: reduced where the gradients lie
             offset = 0
             for name, aside in parts:
                 p = self.params[name]
@@ -267,11 +285,9 @@ class GradSync:
                 reduced = flat[offset : offset + n].view_as(p)
                 if aside is not None:
                     p.grad.copy_(reduced + aside)
-                elif p.grad.data_ptr() != reduced.data_ptr():  # not reduced where it lies
+                else:
                     p.grad.copy_(reduced)
                 offset += n
-                self._in_flight.discard(name)
-                self._reduced.add(name)
         self._pending.clear()
 
     def reduce_over_world(self, names: Collection[str]) -> None:

@@ -199,8 +199,9 @@ class BurstRuntime:
         samples = step.layout(stage.placement).samples(self.rank)
         values = {value: self._stage_input(step, value, stage.placement) for value in stage.inputs}
         if stage.placement.spatial == 1:
-            for layer in stage.layers:
-                values[layer] = self.captured.run_layer(layer, values, samples, step.scalars)
+            values.update(
+                self.captured.run_layers(stage.layers, stage.outputs, values, samples, step.scalars)
+            )
         else:
             self._run_split(step, stage, values, samples)
         produced = {name: values[name] for name in stage.outputs}
