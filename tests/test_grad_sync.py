@@ -1,6 +1,7 @@
-"""Gradient synchronisation's storage: a bucket reduced whole leaves its gradients as views of one
-flat tensor (nothing copied back after the sum), and gradients not zeroed between steps still add up
-as on one device. One rank: the bucket's sum is over itself, the storage is what is tested."""
+"""Gradient synchronisation: a bucket reduced whole leaves its gradients as views of one flat tensor
+(nothing copied back after the sum), gradients not zeroed between steps still add up as on one
+device, and a bucket launches inside the backward once its gradients are final. One rank: the
+bucket's sum is over itself; the storage and the timing are what is tested."""
 
 from __future__ import annotations
 
@@ -55,3 +56,20 @@ def test_gradients_not_zeroed_between_steps_add_up_as_on_one_device():
     assert torch.allclose(layer.weight.grad, plain["weight"]) and torch.allclose(
         layer.bias.grad, plain["bias"]
     )
+
+
+def test_a_bucket_launches_inside_backward_before_the_next_buckets_gradients_arrive():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    params = dict(model.named_parameters())
+    last, first = Bucket(0, 1, ("1.weight", "1.bias")), Bucket(1, 1, ("0.weight", "0.bias"))
+    sync = GradSync(params, GroupMessages(), 1, [last, first])
+    fresh_at_first_layer: list[set[str]] = []
+    # Registered after the sync's own hook, so it sees what that hook left.
+    model[0].weight.register_hook(lambda _: fresh_at_first_layer.append(sync.fresh()))
+    sync.arm(True)
+    with sync.in_stage():
+        model(torch.randn(3, 4)).sum().backward()
+    assert fresh_at_first_layer[0] & {"1.weight", "1.bias"} == set()  # the last layer's bucket left
+    assert "0.weight" in fresh_at_first_layer[0]
+    assert sync.fresh() == set()  # the first layer's bucket launched where the backward ended

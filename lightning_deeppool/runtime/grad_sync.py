@@ -3,18 +3,19 @@
 Gradients are divided by the world size before the sum, as DDP does: with each rank's loss a mean over
 its own samples, the result equals DDP's averaged gradient on every owner.
 
-A pre-accumulation hook on each parameter tracks which gradients hold contributions not reduced yet
-(*fresh*). A sync reduces only those, so any number of forwards and backwards between optimizer steps
-gives one device's gradient: when a backward adds to a gradient that was already reduced (gradients not
-zeroed between steps), the reduced part is set aside and only the new part is reduced. A parameter that
-received nothing keeps ``grad is None``, as on one device. Which parameters are fresh is the same on
-every owner: they run the same layers on the same graph.
+One hook on each parameter, before its gradient accumulates, tracks which gradients hold
+contributions not reduced yet (*fresh*). A sync reduces only those, so any number of forwards and
+backwards between optimizer steps gives one device's gradient: when a backward adds to a gradient
+that was already reduced (gradients not zeroed between steps), the reduced part is set aside and only
+the new part is reduced. A parameter that received nothing keeps ``grad is None``, as on one device.
+Which parameters are fresh is the same on every owner: they run the same layers on the same graph.
 
-During the final backward pass of a step the schedule's buckets are launched as soon as their gradients
-are final, so the all-reduce overlaps the rest of the backward, always in bucket order. How a bucket is
-summed is the messages' choice (`comm.messages`): an asynchronous all-reduce over the bucket's group,
-or, over local links, an exchange at launch (on busy CPU cores, launching gloo's asynchronous
-all-reduce alone blocked for 2 ms).
+During the final backward pass of a step the schedule's buckets are launched once their gradients
+are final, so the all-reduce overlaps the rest of the backward, always in bucket order: at the next
+parameter's hook (autograd has accumulated every gradient before it by then) or where the stage's
+backward ends. How a bucket is summed is the messages' choice (`comm.messages`): an asynchronous
+all-reduce over the bucket's group, or, over local links, an exchange at launch (on busy CPU cores,
+launching gloo's asynchronous all-reduce alone blocked for 2 ms).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class GradSync:
         self._missing: list[int] = []
         self._next = 0
         self._pending: list[tuple[Posted | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
-        self._hooks: dict[str, list[Any]] = {}
+        self._hooks: dict[str, Any] = {}
         self._unhooked = list(params)  # the parameters without hooks yet: frozen so far
         self.track_new_parameters()
 
@@ -86,17 +87,15 @@ class GradSync:
         the frozen ones only, at every call."""
         hooked = [name for name in self._unhooked if self.params[name].requires_grad]
         for name in hooked:
-            p = self.params[name]
-            self._hooks[name] = [
-                p.register_hook(self._before_accumulate(name)),
-                p.register_post_accumulate_grad_hook(self._after_accumulate(name)),
-            ]
+            self._hooks[name] = self.params[name].register_hook(self._before_accumulate(name))
         if hooked:
             self._unhooked = [name for name in self._unhooked if name not in self._hooks]
             self._expected.clear()
 
     def _before_accumulate(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
+            if self._armed:
+                self._launch_ready()  # buckets the gradients accumulated before this one completed
             if name in self._in_flight:
                 raise RuntimeError(
                     f"deeppool: a gradient for {name!r} arrived after its all-reduce started; the step made "
@@ -109,16 +108,10 @@ class GradSync:
                 self._set_aside[name] = p.grad.detach().clone()
             self._reduced.discard(name)
             self._fresh.add(name)
-
-        return hook
-
-    def _after_accumulate(self, name: str) -> Callable[[Any], None]:
-        def hook(_: Any) -> None:
-            if self._armed and self._single_use(name) and self._in_stage:
+            if self._armed and self._in_stage and self._single_use(name):
                 position = self._bucket_of.get(name)
                 if position is not None:
                     self._missing[position] -= 1
-                    self._launch_ready()
 
         return hook
 
@@ -130,6 +123,8 @@ class GradSync:
             yield
         finally:
             self._in_stage = False
+        if self._armed:
+            self._launch_ready()
 
     def fresh(self) -> set[str]:
         return set(self._fresh)
@@ -309,7 +304,6 @@ class GradSync:
 
     def close(self) -> None:
         """Remove the gradient hooks."""
-        for handles in self._hooks.values():
-            for handle in handles:
-                handle.remove()
+        for handle in self._hooks.values():
+            handle.remove()
         self._hooks.clear()
