@@ -287,7 +287,7 @@ class InstalledPlan:
             if reads_gradients
             else None
         )
-        return cls(
+        installed = cls(
             plan,
             captured,
             schedule,
@@ -300,11 +300,12 @@ class InstalledPlan:
             param_bytes,
             bucket_bytes,
         )
+        installed._shapes[repr(captured.samples)] = (captured, schedule, runtime)
+        return installed
 
     def use_shape(self, samples: list[Any]) -> bool:
         """Switch to the graph captured at these per-sample shapes and dtypes, where one was (else
         False: capture it, `capture_shape`)."""
-        self._shapes.setdefault(repr(self.captured.samples), (self.captured, self.schedule, self.runtime))
         found = self._shapes.get(repr(samples))
         if found is not None:
             self.captured, self.schedule, self.runtime = found

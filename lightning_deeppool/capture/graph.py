@@ -86,9 +86,10 @@ class CapturedGraph:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    @property
+    @functools.cached_property
     def samples(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The per-sample shape and dtype of each batch input it was captured at."""
+        """The per-sample shape and dtype of each batch input it was captured at (asked at every
+        planned call)."""
         leaves = [self.meta[name].leaves[0] for name in self.batch_inputs]
         return [(leaf.shape, leaf.dtype) for leaf in leaves]
 

@@ -49,7 +49,11 @@ class Call:
     @property
     def samples(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The per-sample shape and dtype of each batch input."""
-        return [(tuple(t.shape[1:]), t.dtype) for t in self.batch.values()]
+        return _per_sample(self.batch)
+
+
+def _per_sample(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
 
 
 def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any], *, shared: bool) -> Call:
@@ -73,7 +77,7 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
         return Call({}, {}, {}, "", Row(0, 0, INVALID, 0), err)
     signature = repr(
         (
-            [(tuple(t.shape[1:]), t.dtype) for t in batch.values()],
+            _per_sample(batch),
             [v.tolist() if isinstance(v, torch.Tensor) else v for v in scalars.values()],
             sorted(input_grads.items()),
         )

@@ -138,7 +138,7 @@ class ForwardCalls:
         every rank, where none was): the plan is kept. Collective when it captures."""
         if not installation.use_shape(samples):
             with own_forward(self.target):
-                self.session.capture_shape(self.target, args, kwargs)
+                self.session.capture_shape(installation, self.target, args, kwargs)
         return installation.runtime.prepare(args, kwargs)
 
     def _verify(self, installation: InstalledPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

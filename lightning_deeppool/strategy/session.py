@@ -81,12 +81,12 @@ class PlanSession:
         self.step_times.restart()
         return self.installed
 
-    def capture_shape(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Capture the planned forward at this call's new per-sample shapes and run the installed plan on
-        it (collective)."""
-        if self.installed is None:
-            raise RuntimeError("deeppool: no plan is installed to run at new shapes")
-        capture_shape(self.options, self.installed, target, args, kwargs, self.fit.compiler)
+    def capture_shape(
+        self, installed: InstalledPlan, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Capture the planned forward at this call's new per-sample shapes and run `installed` (this
+        fit's plan) on it (collective)."""
+        capture_shape(self.options, installed, target, args, kwargs, self.fit.compiler)
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Reduce fresh gradients (of `optimizer`'s parameters, if given). Collective."""
