@@ -61,6 +61,7 @@ class PlanOptions:
     memory_budget_bytes: float | None
     bucket_bytes: int
     shared_batch: bool = False
+    branches: bool = True
 
     def plan_path(self, log_dir: str | None) -> Path | None:
         """Where rank 0 writes the plan: `save_plan`, else the run's log directory, else nowhere."""
@@ -194,6 +195,7 @@ def _search(options: PlanOptions, captured: CapturedGraph, profile: Profile, glo
             exempt_below_s=options.exempt_below_s,
             pins=pins,
             memory_budget_bytes=options.memory_budget_bytes,
+            branches=options.branches,
         )
     )
 
@@ -219,7 +221,7 @@ class InstalledPlan:
     runtime: BurstRuntime
     grad_sync: GradSync
     names: dict[int, str]  # parameter id -> name in the gradient synchronisation
-    widths: dict[str, int]  # name -> how many ranks (0..w-1) hold it
+    owners: dict[str, tuple[int, ...]]  # name -> the ranks that hold it (rank 0 among them)
     unheld_gradients: UnheldGradients | None  # where the user reads gradients
     param_bytes: dict[str, int]  # planned parameter name -> bytes
     bucket_bytes: int
@@ -250,21 +252,21 @@ class InstalledPlan:
         schedule = build_schedule(
             captured.graph, plan.placements(), captured.layer_params, param_bytes, world_size, bucket_bytes
         )
-        widths = {name: schedule.param_widths.get(name, world_size) for name in params}
-        widths.update(dict.fromkeys(unplanned, world_size))
-        groups = PlanGroups([*schedule.param_widths.values(), world_size], world_size)
+        everyone = tuple(range(world_size))
+        owners = {name: schedule.owners(name) for name in params}
+        owners.update(dict.fromkeys(unplanned, everyone))
+        groups = PlanGroups([*schedule.param_ranks.values(), everyone], world_size)
         uses = Counter(name for names in captured.layer_params.values() for name in names)
         # Where CPU ranks share a host, every message and gradient sum goes on local links: gloo's
         # point-to-point and collectives cost 1.5-3 ms each on busy CPU cores.
         links = connect_local_links(device)
         messages = links or GroupMessages(groups.redistribution, groups)
         windows = ScheduleWindows(idle)
-        grad_sync = GradSync(
+        grad_sync = GradSync.for_schedule(
+            schedule,
             {**params, **unplanned},
             messages,
-            world_size,
-            [bucket for bucket in schedule.buckets if rank < bucket.width],
-            rank0_only=[name for name, width in schedule.param_widths.items() if width == 1 and rank == 0],
+            rank,
             world=list(unplanned),
             uses=uses,
             waiting=windows.window,
@@ -283,7 +285,7 @@ class InstalledPlan:
         every = {**params, **unplanned}
         names = {id(p): name for name, p in every.items()}
         unheld = (
-            UnheldGradients(every, widths, rank=rank, world_size=world_size, device=device)
+            UnheldGradients(every, owners, rank=rank, world_size=world_size, device=device)
             if reads_gradients
             else None
         )
@@ -295,7 +297,7 @@ class InstalledPlan:
             runtime,
             grad_sync,
             names,
-            widths,
+            owners,
             unheld,
             param_bytes,
             bucket_bytes,
@@ -350,16 +352,16 @@ class InstalledPlan:
         return not self.runtime.shared and all(stage.placement == home for stage in self.schedule.stages)
 
     def owns_everything(self, rank: int) -> bool:
-        return all(rank < width for width in self.widths.values())
+        return all(rank in ranks for ranks in self.owners.values())
 
     def not_held(self, rank: int) -> list[str]:
         """The parameters `rank` does not hold, in order."""
-        return [name for name, width in self.widths.items() if rank >= width]
+        return [name for name, ranks in self.owners.items() if rank not in ranks]
 
     @property
     def narrow(self) -> bool:
         """Whether some rank does not hold every parameter (the same on every rank)."""
-        return any(width < dist.get_world_size() for width in self.widths.values())
+        return any(len(ranks) < dist.get_world_size() for ranks in self.owners.values())
 
     def poison_unheld(self, rank: int) -> None:
         """Fill the parameters `rank` does not hold with NaN: no rank keeps them current, so a read of
@@ -374,12 +376,12 @@ class InstalledPlan:
         """Raise on every rank if the ranks that hold a parameter hold different values of it: the
         first such parameter, in order, is named. Collective."""
         rank, params = dist.get_rank(), self.grad_sync.params
-        shared = [name for name, width in self.widths.items() if width > 1]
-        mine = [checksum([params[name]]) if rank < self.widths[name] else None for name in shared]
+        shared = [name for name, ranks in self.owners.items() if len(ranks) > 1]
+        mine = [checksum([params[name]]) if rank in self.owners[name] else None for name in shared]
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         for i, name in enumerate(shared):
-            found = {r: every[r][i] for r in range(self.widths[name])}
+            found = {r: every[r][i] for r in self.owners[name]}
             if len(set(found.values())) > 1:
                 raise RuntimeError(
                     f"deeppool: the ranks that train {name!r} together hold different values of it "
@@ -404,7 +406,7 @@ class InstalledPlan:
     def _settle(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """First synchronisation: parameters some rank used outside the planned forward are reduced over
         every rank from now on; then each rank drops from its optimizers what it does not hold."""
-        names = sorted(name for name, width in self.widths.items() if not name.startswith(UNPLANNED))
+        names = sorted(name for name in self.owners if not name.startswith(UNPLANNED))
         flags = torch.tensor([name in self.grad_sync.outside for name in names], dtype=torch.float32)
         flags = flags.to(self.runtime.device)
         if len(names):
@@ -412,17 +414,17 @@ class InstalledPlan:
         outside = [
             name
             for name, flag in zip(names, flags.tolist())
-            if flag and self.widths[name] < dist.get_world_size()
+            if flag and len(self.owners[name]) < dist.get_world_size()
         ]
         self.grad_sync.reduce_over_world(outside)
         for name in outside:
-            self.widths[name] = dist.get_world_size()
+            self.owners[name] = tuple(range(dist.get_world_size()))
         rank = dist.get_rank()
         self._original = {id(o): [p for g in o.param_groups for p in g["params"]] for o in optimizers}
-        by_id = {p_id: self.widths[name] for p_id, name in self.names.items()}
-        dropped = [name for name, width in self.widths.items() if rank >= width]
+        dropped = self.not_held(rank)
         self.grad_sync.drop(dropped)
-        _prune_optimizers(optimizers, lambda p: rank < by_id.get(id(p), dist.get_world_size()))
+        gone = set(dropped)
+        _prune_optimizers(optimizers, lambda p: self.names.get(id(p)) not in gone)
         self.settled = True
 
     def close(self) -> None:

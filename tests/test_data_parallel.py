@@ -87,7 +87,7 @@ def _tied_sync(once: bool) -> tuple[set[str], torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(4, 4))
     grad_sync = GradSync(
-        {"weight": weight}, GroupMessages(), 1, [Bucket(0, 1, ("weight",))], uses={"weight": 2}
+        {"weight": weight}, GroupMessages(), 1, [Bucket(0, (0,), ("weight",))], uses={"weight": 2}
     )
     x = torch.randn(3, 4)
     grad_sync.arm(True, once=once)

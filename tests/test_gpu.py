@@ -69,12 +69,8 @@ def _nccl_gradients(rank: int) -> float:
     params = dict(captured.module.named_parameters())
     sizes = {n: p.numel() * p.element_size() for n, p in params.items()}
     schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, 2)
-    groups = PlanGroups([*schedule.param_widths.values(), 2], 2)
-    buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
-    rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-    grad_sync = GradSync(
-        params, GroupMessages(groups.redistribution, groups), 2, buckets, rank0_only=rank0_only
-    )
+    groups = PlanGroups(schedule.param_ranks.values(), 2)
+    grad_sync = GradSync.for_schedule(schedule, params, GroupMessages(groups.redistribution, groups), rank)
     runtime = BurstRuntime(
         captured, schedule, rank=rank, device=torch.device("cuda", rank), grad_sync=grad_sync
     )

@@ -17,7 +17,7 @@ def _layer_and_sync() -> tuple[nn.Linear, GradSync]:
     torch.manual_seed(0)
     layer = nn.Linear(4, 3)
     params = dict(layer.named_parameters())
-    return layer, GradSync(params, GroupMessages(), 1, [Bucket(0, 1, tuple(params))])
+    return layer, GradSync(params, GroupMessages(), 1, [Bucket(0, (0,), tuple(params))])
 
 
 def _backward(layer: nn.Linear, sync: GradSync, x: torch.Tensor) -> None:
@@ -62,7 +62,7 @@ def test_a_bucket_launches_inside_backward_before_the_next_buckets_gradients_arr
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     params = dict(model.named_parameters())
-    last, first = Bucket(0, 1, ("1.weight", "1.bias")), Bucket(1, 1, ("0.weight", "0.bias"))
+    last, first = Bucket(0, (0,), ("1.weight", "1.bias")), Bucket(1, (0,), ("0.weight", "0.bias"))
     sync = GradSync(params, GroupMessages(), 1, [last, first])
     fresh_at_first_layer: list[set[str]] = []
     # Registered after the sync's own hook, so it sees what that hook left.

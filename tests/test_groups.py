@@ -1,4 +1,4 @@
-"""Process groups of a plan: built on every rank, one per width, of ranks 0..width-1."""
+"""Process groups of a plan: built on every rank, one per set of ranks that sums gradients."""
 
 import torch
 import torch.distributed as dist
@@ -8,17 +8,21 @@ from lightning_deeppool.comm.groups import PlanGroups
 from distributed import run_distributed
 
 
-def _build(rank: int) -> dict[int, float]:
-    groups = PlanGroups([1, 2, 3, 2], 3)
+def _build(rank: int) -> dict[tuple[int, ...], float]:
+    groups = PlanGroups([(0,), (0, 1), (0, 1, 2), (1, 2), (0, 1)], 3)
     sums = {}
-    for width in groups:
-        if rank < width:
-            t = torch.ones(1)
-            dist.all_reduce(t, group=groups[width])
-            sums[width] = t.item()
+    for ranks in groups:
+        if rank in ranks:
+            t = torch.full((1,), float(rank + 1))
+            dist.all_reduce(t, group=groups[ranks])
+            sums[ranks] = t.item()
     groups.destroy()
     return sums
 
 
-def test_every_width_above_one_gets_a_group_of_ranks_zero_to_width():
-    assert run_distributed(_build, 3) == [{2: 2.0, 3: 3.0}, {2: 2.0, 3: 3.0}, {3: 3.0}]
+def test_every_set_of_more_than_one_rank_gets_a_group_of_those_ranks():
+    assert run_distributed(_build, 3) == [
+        {(0, 1): 3.0, (0, 1, 2): 6.0},
+        {(0, 1): 3.0, (1, 2): 5.0, (0, 1, 2): 6.0},
+        {(1, 2): 5.0, (0, 1, 2): 6.0},
+    ]

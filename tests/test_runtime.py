@@ -1,5 +1,5 @@
 """The raw burst runtime (no Lightning): outputs and owned gradients equal single-process ones for
-mixed widths, uneven local sample counts, on 2 and 3 ranks."""
+mixed widths, layers on ranks without rank 0, uneven local sample counts, on 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.comm.groups import PlanGroups
 from lightning_deeppool.comm.messages import GroupMessages
+from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.lowering.schedule import build_schedule
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.runtime import BurstRuntime
@@ -21,6 +22,13 @@ WIDTH_PATTERNS = {
     "mixed": lambda i, world: [world, 1, 2, world, 1, 1, 1, 2][i % 8],
     "all-one": lambda i, world: 1,
     "all-world": lambda i, world: world,
+    # Layers on ranks that leave rank 0 out: their gradients reach rank 0 after the sum.
+    "off rank zero": lambda i, world: [
+        Placement(world),
+        Placement(1, 1, world - 1),
+        Placement(world - 1, 1, 1),
+        Placement(1, 1, 1),
+    ][i % 4],
 }
 COUNTS = {2: (5, 7), 3: (4, 1, 7)}
 
@@ -58,11 +66,9 @@ def _errors(rank: int, world: int) -> dict[str, dict[str, float]]:
         params = dict(captured.module.named_parameters())
         sizes = {k: v.numel() * 4 for k, v in params.items()}
         schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, world)
-        groups = PlanGroups(schedule.param_widths.values(), world)
-        buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
-        rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-        grad_sync = GradSync(
-            params, GroupMessages(groups.redistribution, groups), world, buckets, rank0_only=rank0_only
+        groups = PlanGroups(schedule.param_ranks.values(), world)
+        grad_sync = GradSync.for_schedule(
+            schedule, params, GroupMessages(groups.redistribution, groups), rank
         )
         runtime = BurstRuntime(captured, schedule, rank=rank, device=torch.device("cpu"), grad_sync=grad_sync)
         out = runtime.forward(x[mine])

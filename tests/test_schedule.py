@@ -9,7 +9,7 @@ import pytest
 
 from lightning_deeppool.ir.buckets import cut_into_buckets
 from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
-from lightning_deeppool.ir.placement import Placement, balanced, transfers
+from lightning_deeppool.ir.placement import Layout, Placement, pieces
 from lightning_deeppool.lowering.schedule import Action, Schedule, build_schedule, build_stages
 
 # x -> a -> b -> add(a, b) -> c ; cat(add, c) -> head: a residual join and a concatenation.
@@ -88,9 +88,17 @@ def test_backward_returns_every_sent_gradient_after_the_stage_that_read_it():
 
 def test_buckets_skip_width_one_parameters_and_sync_once_final():
     schedule = _schedule(MIXED, 3)
-    assert [(b.width, b.params) for b in schedule.buckets] == [(2, ("b.w",)), (3, ("a.w",))]
-    assert schedule.param_widths == {"a.w": 3, "b.w": 2, "c.w": 1, "head.w": 1}
+    assert [(b.ranks, b.params) for b in schedule.buckets] == [((0, 1), ("b.w",)), ((0, 1, 2), ("a.w",))]
+    assert schedule.param_ranks == {"a.w": (0, 1, 2), "b.w": (0, 1), "c.w": (0,), "head.w": (0,)}
     assert schedule.owns(1, "b.w") and not schedule.owns(2, "b.w") and not schedule.owns(1, "head.w")
+
+
+def test_a_layer_on_other_ranks_than_rank_zero_is_owned_by_them_and_rank_zero():
+    schedule = _schedule({**MIXED, "b": Placement(2, 1, 1), "head": Placement(1, 1, 2)}, 3)
+    assert schedule.param_ranks["b.w"] == (1, 2) and schedule.owners("b.w") == (0, 1, 2)
+    assert schedule.owners("head.w") == (0, 2) and not schedule.owns(1, "head.w")
+    assert schedule.to_rank_zero(0) == {1: ["b.w"], 2: ["head.w"]}
+    assert schedule.to_rank_zero(1) == {0: ["b.w"]} and schedule.to_rank_zero(2) == {0: ["head.w"]}
 
 
 def test_buckets_split_at_the_size_limit():
@@ -145,10 +153,11 @@ def _comms(schedule: Schedule, rank: int, counts: tuple[int, ...]) -> list[tuple
     """The communication rank `rank` takes part in, in order, as the runtime issues it."""
     world = schedule.world_size
 
-    def layout(placement: Placement) -> tuple[int, ...]:
-        return counts if placement.width == world else balanced(sum(counts), placement.width, world)
+    def layout(placement: Placement) -> Layout:
+        home = placement == Placement(world)
+        return Layout(counts, 1, world) if home else Layout.of(placement, sum(counts), world)
 
-    ops: list[tuple] = [("collective", world, "agree")]
+    ops: list[tuple] = [("collective", tuple(range(world)), "agree")]
     for action in (*schedule.forward, *schedule.backward):
         if action.kind in ("send", "send_grad"):
             src, dst = layout(action.src), layout(action.dst)
@@ -156,13 +165,16 @@ def _comms(schedule: Schedule, rank: int, counts: tuple[int, ...]) -> list[tuple
                 src, dst = dst, src
             batch = frozenset(
                 (move.src, move.dst, str(action))
-                for move in transfers(src, dst)
+                for move in pieces(src, dst, 1)
                 if rank in (move.src, move.dst)
             )
             if batch:
                 ops.append(("p2p", batch))
-        elif action.kind == "sync" and rank < schedule.buckets[action.number].width:
-            ops.append(("collective", schedule.buckets[action.number].width, str(action)))
+        elif action.kind == "sync" and rank in schedule.buckets[action.number].ranks:
+            ops.append(("collective", schedule.buckets[action.number].ranks, str(action)))
+    moves = schedule.to_rank_zero(rank)
+    if moves:
+        ops.append(("p2p", frozenset((peer, 0, "to0") if rank == 0 else (rank, 0, "to0") for peer in moves)))
     return ops
 
 
@@ -189,7 +201,7 @@ def _simulate_lists(ops: list[list[tuple]]) -> None:
             rank
             for rank in range(world)
             if (op := current(rank)) is not None
-            and (all(current(m) == op for m in range(op[1])) if op[0] == "collective" else op[1] <= delivered)
+            and (all(current(m) == op for m in op[1]) if op[0] == "collective" else op[1] <= delivered)
         ]
         if not done:
             stuck = {r: current(r) for r in range(world) if current(r) is not None}
@@ -198,11 +210,16 @@ def _simulate_lists(ops: list[list[tuple]]) -> None:
             position[rank] += 1
 
 
+def _random_placement(rng: random.Random, world: int) -> Placement:
+    width = rng.randint(1, world)
+    return Placement(width, 1, rng.randint(0, world - width))
+
+
 @pytest.mark.parametrize("seed", range(30))
-def test_random_widths_never_deadlock(seed):
+def test_random_placements_never_deadlock(seed):
     rng = random.Random(seed)
     world = rng.randint(2, 5)
-    widths = {layer.name: rng.randint(1, world) for layer in GRAPH.layers}
+    widths = {layer.name: _random_placement(rng, world) for layer in GRAPH.layers}
     counts = tuple(rng.randint(1, 6) for _ in range(world))
     schedule = _schedule(widths, world, bucket_bytes=rng.choice([16, 1 << 20]))
     _simulate_lists([_comms(schedule, rank, counts) for rank in range(world)])

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_deeppool.ir.graph import LayerGraph
+from lightning_deeppool.ir.graph import GraphInput, LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import AlphaBeta, Profile
 from lightning_deeppool.planner import cost
+from lightning_deeppool.planner.plan import plan_with_widths
 from lightning_deeppool.planner.simulate import (
     assumptions,
+    branch_summary,
     idle_device_seconds,
     parse_devices,
     project,
@@ -195,3 +197,21 @@ def test_on_a100_profiles_the_plan_is_never_predicted_slower_than_data_paralleli
     devices = [8, 16, 32, 64, 128, 256]
     for projection in project(graph, profile, devices=devices, global_batch_size=256):
         assert projection.burst_step_s <= projection.ddp_step_s * (1 + 1e-12)
+
+
+def test_the_projection_table_names_the_ranks_of_layers_run_side_by_side():
+    graph = LayerGraph(
+        (GraphInput("image", 256), GraphInput("text", 256)),
+        (layer("img", ["image"]), layer("txt", ["text"]), layer("logits", ["img", "txt"], module=False)),
+        ("logits",),
+    )
+    profile = linear_profile(graph, dict.fromkeys(("img", "txt", "logits"), (1e-3, 0.0)), max_batch=8)
+    plan = plan_with_widths(
+        graph,
+        profile,
+        {"img": 2, "txt": {"ranks": [2, 3]}, "logits": 4},
+        world_size=4,
+        global_batch_size=8,
+        amplification_limit=2.0,
+    )
+    assert branch_summary(plan) == "1 of 3 layers off rank 0 (ranks 2-3)"

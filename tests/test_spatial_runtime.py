@@ -82,12 +82,8 @@ def _errors(
     params = dict(captured.module.named_parameters())
     sizes = {k: v.numel() * v.element_size() for k, v in params.items()}
     schedule = build_schedule(captured.graph, placements, captured.layer_params, sizes, world)
-    groups = PlanGroups(schedule.param_widths.values(), world)
-    buckets = [bucket for bucket in schedule.buckets if rank < bucket.width]
-    rank0_only = [name for name, width in schedule.param_widths.items() if width == 1 and rank == 0]
-    grad_sync = GradSync(
-        params, GroupMessages(groups.redistribution, groups), world, buckets, rank0_only=rank0_only
-    )
+    groups = PlanGroups(schedule.param_ranks.values(), world)
+    grad_sync = GradSync.for_schedule(schedule, params, GroupMessages(groups.redistribution, groups), rank)
     runtime = BurstRuntime(
         captured,
         schedule,

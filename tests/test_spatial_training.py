@@ -115,7 +115,7 @@ def _fit(rank: int, case: Case, init: dict[str, torch.Tensor], root: str) -> dic
     return {
         "params": parameters(model),
         "buffers": {k: v.clone() for k, v in model.state_dict().items() if "running" in k},
-        "placements": {name: tuple(p) for name, p in strategy.plan.placements().items()},
+        "placements": {name: (p.width, p.spatial) for name, p in strategy.plan.placements().items()},
         "steps": trainer.global_step,
     }
 

@@ -2,7 +2,8 @@
 
 Each `zoo.CASES` entry trains on 2 and 3 spawned ranks with pins that mix widths (one process world
 per rank count runs every case) and on one device over the same global batches; the BatchNorm ResNet
-is compared with Lightning's DDP in the same world instead (BatchNorm sees each rank's samples).
+and the contrastive two-tower model are compared with Lightning's DDP in the same world instead (their
+losses see each rank's samples). Cases with branches on disjoint ranks also train on 4 ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from zoo import CASES, Case, PredictionLogger, RankZeroLogging
 
 TOLERANCE = 1e-5
 STEPS = {"max_steps": 3}
+ON_FOUR_RANKS = [name for name, case in CASES.items() if 4 in case.pins]
 
 
 def _trainer(case: Case, **overrides: Any) -> dict[str, Any]:
@@ -37,11 +39,12 @@ def _fresh(case: Case, init: dict[str, torch.Tensor] | None = None) -> pl.Lightn
 
 
 def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root: str) -> dict[str, Any]:
-    """Every case on this world; per case the trained parameters and buffers, the plan's widths and
-    what its rank-0-only calls saw."""
+    """Every case of `inits` on this world; per case the trained parameters and buffers, the plan's
+    placements and what its rank-0-only calls saw."""
     join_lightning_world(rank, world)
     results = {}
-    for name, case in CASES.items():
+    for name in inits:
+        case = CASES[name]
         pl.seed_everything(SEED, verbose=False)  # the distributed sampler's shuffle seed
         data = case.data(4 * case.local_batch * world)
         outcome: dict[str, Any] = {}
@@ -71,7 +74,7 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
         outcome.update(
             params=parameters(model),
             state={k: v.detach().clone() for k, v in model.state_dict().items()},
-            widths=sorted(set(strategy.plan.widths().values())),
+            placements=sorted({str(p) for p in strategy.plan.placements().values()}),
             measured=strategy.measured_step_time_s,
             steps=trainer.global_step,
             logged=[len(c.logged) for c in callbacks if isinstance(c, PredictionLogger)],
@@ -111,12 +114,31 @@ def zoo(request, tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]
     return world, references, {name: [rank[name] for rank in results] for name in CASES}
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    inits = {name: _fresh(CASES[name]).state_dict() for name in ON_FOUR_RANKS}
+    results = run_distributed(_zoo, 4, 4, inits, str(tmp_path_factory.mktemp("zoo")), timeout_s=600)
+    references = {
+        name: _reference(name, CASES[name], 4) for name in ON_FOUR_RANKS if CASES[name].reference == "single"
+    }
+    return 4, references, {name: [rank[name] for rank in results] for name in ON_FOUR_RANKS}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_trains_to_the_reference_weights_with_mixed_widths(zoo, name):
+    _check_trained(zoo, name)
+
+
+@pytest.mark.parametrize("name", ON_FOUR_RANKS)
+def test_branches_train_to_the_reference_weights_on_four_ranks(four_ranks, name):
+    _check_trained(four_ranks, name)
+
+
+def _check_trained(zoo: tuple[int, dict[str, Any], dict[str, Any]], name: str) -> None:
     _, references, results = zoo
     ranks = results[name]
     assert ranks[0]["steps"] > 0
-    assert len(ranks[0]["widths"]) >= 2, ranks[0]["widths"]
+    assert len(ranks[0]["placements"]) >= 2, ranks[0]["placements"]
     if CASES[name].reference == "ddp":
         assert max_param_diff(ranks[0]["ddp"], ranks[0]["state"]) < TOLERANCE
     else:

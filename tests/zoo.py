@@ -482,9 +482,58 @@ class CompiledBody(ConvNet):
         self.features = torch.compile(self.features, backend="eager")
 
 
+def image_text_pairs(n: int, seed: int = 0) -> TensorDataset:
+    """`n` 8x8 images, each with a caption of token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+class TwoTowers(pl.LightningModule):
+    """CLIP-style: an image tower and a text tower, independent up to a contrastive loss over each
+    rank's batch (so DDP, not one device, is the reference)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 16)
+        )
+        self.text = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+        self.scale = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, images: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.image(images), dim=-1), F.normalize(self.text(ids).mean(1), dim=-1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        image, text = self(*batch)
+        logits = self.scale * image @ text.T
+        labels = torch.arange(len(logits), device=logits.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class InceptionNet(Classifier):
+    """A stem, then an Inception-style block (1x1, 3x3 and pooled 1x1 branches, concatenated) and a
+    linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.one = nn.Sequential(nn.Conv2d(8, 4, 1), nn.ReLU())
+        self.three = nn.Sequential(nn.Conv2d(8, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.pooled = nn.Sequential(nn.AvgPool2d(3, 1, 1), nn.Conv2d(8, 4, 1), nn.ReLU())
+        self.head = nn.Linear(12 * 8 * 8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return self.head(torch.cat([self.one(x), self.three(x), self.pooled(x)], 1).flatten(1))
+
+
 @dataclass(frozen=True)
 class Case:
-    """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks."""
+    """One zoo entry: how to build it, its data, the pins that mix widths at 2 and 3 ranks (and at 4,
+    for the cases that also train on four ranks)."""
 
     model: Callable[[], pl.LightningModule]
     data: Callable[[int], Dataset]
@@ -578,6 +627,31 @@ CASES: dict[str, Case] = {
     "fit-given-a-compiled-model": Case(ConvNet, images, _pins("head", "features.2"), compiled=True),
     "compiled-submodule": Case(CompiledBody, images, _pins("head", "features.2")),
     "submodules-named-like-graph-module-attributes": Case(ReservedNames, images, _pins("code", "meta")),
+    "clip-towers-side-by-side-on-disjoint-ranks": Case(
+        TwoTowers,
+        image_text_pairs,
+        {
+            2: {"": 2, "image": {"ranks": [0]}, "text": {"ranks": [1]}},
+            3: {"": 3, "image": {"ranks": [0, 1]}, "text": {"ranks": [2]}},
+            4: {"image": {"ranks": [0, 1]}, "text.0": {"ranks": [2, 3]}, "text.1": {"ranks": [3]}},
+        },
+        reference="ddp",
+    ),
+    "inception-branches-side-by-side-on-disjoint-ranks": Case(
+        InceptionNet,
+        images,
+        {
+            2: {"": 2, "one": {"ranks": [0]}, "three": {"ranks": [1]}, "pooled": {"ranks": [1]}},
+            3: {"": 3, "one": {"ranks": [0]}, "three": {"ranks": [1]}, "pooled": {"ranks": [2]}, "head": 2},
+            4: {
+                "": 4,
+                "one": {"ranks": [0]},
+                "three": {"ranks": [1, 2]},
+                "pooled": {"ranks": [3]},
+                "head": 1,
+            },
+        },
+    ),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}
     ),

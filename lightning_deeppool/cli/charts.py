@@ -27,20 +27,29 @@ def _pyplot() -> Any:
 
 
 def plan_chart(plan: Plan, path: str) -> None:
-    """Two panels per layer: its width (hatched and labelled ``s2`` where split by height), and its
-    compute/sync/transfer milliseconds stacked."""
+    """Two panels per layer: its ranks, a bar from its first rank as tall as its width (hatched and
+    labelled ``s2`` where split by height), and its compute/sync/transfer milliseconds stacked."""
     plt = _pyplot()
     names = [layer.name for layer in plan.layers]
     positions = range(len(names))
     fig, (top, bottom) = plt.subplots(
         2, 1, sharex=True, figsize=(max(6.0, 0.45 * len(names) + 2), 5.5), height_ratios=(1, 1.4)
     )
-    bars = top.bar(positions, [layer.width for layer in plan.layers], color="tab:blue")
+    bars = top.bar(
+        positions,
+        [layer.width for layer in plan.layers],
+        bottom=[layer.first for layer in plan.layers],
+        color="tab:blue",
+    )
     for bar, layer in zip(bars, plan.layers, strict=True):
         if layer.spatial > 1:  # split by height: hatched, with the parts per sample on top
             bar.set_hatch("//")
-            top.annotate(f"s{layer.spatial}", (bar.get_x() + bar.get_width() / 2, layer.width), ha="center")
-    top.set_ylabel("width (devices)")
+            top.annotate(
+                f"s{layer.spatial}",
+                (bar.get_x() + bar.get_width() / 2, layer.first + layer.width),
+                ha="center",
+            )
+    top.set_ylabel("ranks" if any(layer.first for layer in plan.layers) else "width (devices)")
     top.set_ylim(0, plan.world_size + (0.9 if any(layer.spatial > 1 for layer in plan.layers) else 0.5))
     top.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     top.set_title(

@@ -338,11 +338,12 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 def _parse_pins(pins: Sequence[str]) -> dict[str, int | Placement]:
     """``NAME=WIDTH`` (a width) or ``NAME=WIDTHsSPATIAL`` (a `Placement`: ``features=4s2`` runs on 4
-    devices, 2 sample groups, each sample split by height in 2 parts)."""
+    devices, 2 sample groups, each sample split by height in 2 parts), either followed by ``@FIRST``
+    to start at rank FIRST (``text=2@2``: ranks 2 and 3)."""
     parsed: dict[str, int | Placement] = {}
     for pin in pins:
         name, sep, value = pin.rpartition("=")
-        if not sep or not re.fullmatch(r"\d+(s\d+)?", value):
+        if not sep or not re.fullmatch(r"\d+(s\d+)?(@\d+)?", value):
             raise UsageError(
                 f"--pin {pin!r} must look like name=width or name=WIDTHsSPATIAL, e.g. classifier=1 or "
                 "features=4s2"
@@ -368,7 +369,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=WIDTH",
         help="fix a module (prefix) to a width, or to a width split by height: NAME=4s2 (4 devices, each "
-        "sample in 2 parts)",
+        "sample in 2 parts); @FIRST starts it at rank FIRST: NAME=2@2 (ranks 2 and 3)",
     )
     plan.add_argument("--out", default="plan.json", help="plan file to write (default: plan.json)")
     plan.set_defaults(run=plan_command, subparser=plan)

@@ -1,43 +1,46 @@
-"""Process groups a plan needs: one per owner width, ranks 0..width-1, built on every rank."""
+"""Process groups a plan needs: one per set of ranks that sums gradients, built on every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
 
 
-class PlanGroups(Mapping[int, dist.ProcessGroup]):
-    """Gradient-sync groups keyed by width, plus `redistribution` for activation messages.
+class PlanGroups(Mapping[tuple[int, ...], dist.ProcessGroup]):
+    """Gradient-sync groups keyed by their ranks (sorted), plus `redistribution` for activation messages.
 
-    Creating a group is collective: every rank builds every group, in increasing width, even the
-    groups it is not a member of. The width equal to the world size gets its own group too, so
+    Creating a group is collective: every rank builds every group, in one order (fewest ranks
+    first), even the groups it is not a member of. The whole world gets its own group too, so
     gradient all-reduces never interleave with activation messages. On NCCL every group runs on
     high-priority streams (background jobs run at low priority beside them) and activations move
     on a high-priority copy of the world group; on gloo they use the default group.
     """
 
-    def __init__(self, widths: Iterable[int], world_size: int) -> None:
-        self._groups: dict[int, dist.ProcessGroup] = {}
+    def __init__(self, rank_sets: Iterable[Sequence[int]], world_size: int) -> None:
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         options = _high_priority_options()
-        for width in sorted({w for w in widths if w > 1}):
-            if width > world_size:
-                raise ValueError(f"width {width} exceeds the world size {world_size}")
-            group = dist.new_group(ranks=list(range(width)), pg_options=options)
-            if dist.get_rank() < width and dist.get_world_size(group) != width:
-                raise RuntimeError(f"group for width {width} has {dist.get_world_size(group)} ranks")
-            self._groups[width] = group
+        wanted = {tuple(sorted(ranks)) for ranks in rank_sets if len(ranks) > 1}
+        for ranks in sorted(wanted, key=lambda r: (len(r), r)):
+            if ranks[0] < 0 or ranks[-1] >= world_size:
+                raise ValueError(f"ranks {list(ranks)} are not all in a world of {world_size}")
+            group = dist.new_group(ranks=list(ranks), pg_options=options)
+            if dist.get_rank() in ranks and dist.get_world_size(group) != len(ranks):
+                raise RuntimeError(f"group for ranks {list(ranks)} has {dist.get_world_size(group)} ranks")
+            self._groups[ranks] = group
         self.redistribution: dist.ProcessGroup | None = None
         if options is not None:
             self.redistribution = dist.new_group(ranks=list(range(world_size)), pg_options=options)
 
-    def __getitem__(self, width: int) -> dist.ProcessGroup:
+    def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         try:
-            return self._groups[width]
+            return self._groups[ranks]
         except KeyError:
-            raise KeyError(f"no process group for width {width}; built: {sorted(self._groups)}") from None
+            raise KeyError(
+                f"no process group for ranks {list(ranks)}; built: {sorted(self._groups)}"
+            ) from None
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         return iter(self._groups)
 
     def __len__(self) -> int:
@@ -45,8 +48,8 @@ class PlanGroups(Mapping[int, dist.ProcessGroup]):
 
     def destroy(self) -> None:
         """Destroy the groups this rank is a member of (non-members hold a placeholder)."""
-        for width, group in self._groups.items():
-            if dist.get_rank() < width and dist.is_initialized():
+        for ranks, group in self._groups.items():
+            if dist.get_rank() in ranks and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._groups.clear()
         if self.redistribution is not None and dist.is_initialized():

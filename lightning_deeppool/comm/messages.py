@@ -43,8 +43,8 @@ class Messages(Protocol):
         """Send each `outgoing` tensor to its global rank and receive each `incoming` buffer from
         its global rank. Peers post matching calls in the same order; tensors must outlive `wait`."""
 
-    def sum(self, flat: torch.Tensor, ranks: range, waiting: Waiting = nullcontext) -> Posted | None:
-        """Start replacing `flat` by the sum of every rank's `flat` over `ranks` (0..w-1); None when
+    def sum(self, flat: torch.Tensor, ranks: Sequence[int], waiting: Waiting = nullcontext) -> Posted | None:
+        """Start replacing `flat` by the sum of every rank's `flat` over `ranks`; None when
         the sum is complete on return, where any wait it made ran inside `waiting()`."""
 
     def all_gather(self, mine: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -60,11 +60,11 @@ class Messages(Protocol):
 
 @dataclass(frozen=True)
 class GroupMessages:
-    """Messages and gathers over `group` (default: the world) with `torch.distributed`; sums over
-    ranks 0..w-1 on `sums[w]` (the default group where none was built)."""
+    """Messages and gathers over `group` (default: the world) with `torch.distributed`; sums over a
+    set of ranks on `sums[ranks]` (the default group for the whole world where none was built)."""
 
     group: dist.ProcessGroup | None = None
-    sums: Mapping[int, dist.ProcessGroup] = field(default_factory=dict)
+    sums: Mapping[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     def post(self, outgoing: Mapping[int, torch.Tensor], incoming: Mapping[int, torch.Tensor]) -> Posted:
         sends = [
@@ -75,11 +75,13 @@ class GroupMessages:
         ops = [op for _, op in sorted([*sends, *recvs], key=lambda pair: pair[0])]
         return _Works(list(dist.batch_isend_irecv(ops)) if ops else [], ops)
 
-    def sum(self, flat: torch.Tensor, ranks: range, waiting: Waiting = nullcontext) -> Posted | None:
+    def sum(self, flat: torch.Tensor, ranks: Sequence[int], waiting: Waiting = nullcontext) -> Posted | None:
         """An asynchronous all-reduce: its launch does not wait."""
-        if ranks.start != 0 or ranks.step != 1:
-            raise ValueError(f"sums run over ranks 0..w-1, not {list(ranks)}")
-        return dist.all_reduce(flat, group=self.sums.get(len(ranks)), async_op=True)
+        key = tuple(sorted(ranks))
+        group = self.sums.get(key)
+        if group is None and key != tuple(range(dist.get_world_size())):
+            raise ValueError(f"no process group sums over ranks {list(key)}; built: {sorted(self.sums)}")
+        return dist.all_reduce(flat, group=group, async_op=True)
 
     def all_gather(self, mine: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         padded = mine.new_zeros((max(rows), *mine.shape[1:]))
@@ -152,7 +154,7 @@ class LocalLinks:
         transfer.progress()  # most sends fit the socket's buffer: they leave now
         return transfer
 
-    def sum(self, flat: torch.Tensor, ranks: range, waiting: Waiting = nullcontext) -> Posted | None:
+    def sum(self, flat: torch.Tensor, ranks: Sequence[int], waiting: Waiting = nullcontext) -> Posted | None:
         """Exchanged and added in rank order at once (`sum_over`): a posted sum on the links would
         interleave with the step's other messages."""
         with waiting():

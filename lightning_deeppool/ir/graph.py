@@ -73,7 +73,7 @@ class Layer:
 class Tied:
     """A parameter several layers use (an embedding tied to the output head): `param_bytes`, counted
     in its first user's `Layer.param_bytes`, and its `users` in execution order. Its gradient is
-    all-reduced among the ranks of its widest user, where it lives."""
+    all-reduced among the ranks of all its users, where it lives (with rank 0)."""
 
     param: str
     param_bytes: int

@@ -84,29 +84,37 @@ def busiest_rank_samples(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
 
 
 class Placement(NamedTuple):
-    """Where a layer runs: on ranks 0..width-1, as ``width // spatial`` sample groups of `spatial`
-    consecutive ranks, each group's samples split by height in `spatial` parts (1: not split)."""
+    """Where a layer runs: on ranks first..first+width-1, as ``width // spatial`` sample groups of
+    `spatial` consecutive ranks, each group's samples split by height in `spatial` parts (1: not
+    split). Layers of independent branches run side by side on disjoint rank sets (`first` > 0)."""
 
     width: int
     spatial: int = 1
+    first: int = 0
 
     @property
     def groups(self) -> int:
         return self.width // self.spatial
 
+    @property
+    def ranks(self) -> range:
+        return range(self.first, self.first + self.width)
+
     def __str__(self) -> str:
-        return str(self.width) if self.spatial == 1 else f"{self.width}s{self.spatial}"
+        text = str(self.width) if self.spatial == 1 else f"{self.width}s{self.spatial}"
+        return f"{text}@{self.first}" if self.first else text
 
     @classmethod
     def of(cls, value: int | Placement) -> Placement:
-        """`value` as a placement: a bare width splits no sample."""
+        """`value` as a placement: a bare width splits no sample and starts at rank 0."""
         return value if isinstance(value, Placement) else cls(int(value))
 
     @classmethod
     def parse(cls, text: str) -> Placement:
-        """Inverse of `str`: ``"4"`` or ``"4s2"``."""
-        width, _, spatial = text.partition("s")
-        return cls(int(width), int(spatial or 1))
+        """Inverse of `str`: ``"4"``, ``"4s2"``, ``"2@2"`` (ranks 2 and 3) or ``"4s2@4"``."""
+        placed, _, first = text.partition("@")
+        width, _, spatial = placed.partition("s")
+        return cls(int(width), int(spatial or 1), int(first or 0))
 
 
 class Block(NamedTuple):
@@ -128,37 +136,48 @@ class Block(NamedTuple):
 @dataclass(frozen=True)
 class Layout:
     """Which samples, and which rows of each, every rank of the world holds: sample group g (ranks
-    ``g * spatial`` to ``g * spatial + spatial - 1``) holds `counts[g]` consecutive samples, split by
-    rows in `spatial` parts (`rows.row_parts`). Ranks past the groups hold nothing."""
+    ``first + g * spatial`` to ``first + g * spatial + spatial - 1``) holds `counts[g]` consecutive
+    samples, split by rows in `spatial` parts (`rows.row_parts`). Other ranks hold nothing."""
 
     counts: tuple[int, ...]
     spatial: int
     world_size: int
+    first: int = 0
 
     @classmethod
     def of(cls, placement: Placement, total: int, world_size: int) -> Layout:
         """The balanced layout of `total` samples under `placement`."""
-        if placement.width % placement.spatial or not 1 <= placement.width <= world_size:
+        if (
+            placement.width % placement.spatial
+            or placement.width < 1
+            or not 0 <= placement.first <= world_size - placement.width
+        ):
             raise ValueError(f"placement {placement} does not fit a world of {world_size} ranks")
-        return cls(balanced(total, placement.groups, placement.groups), placement.spatial, world_size)
+        counts = balanced(total, placement.groups, placement.groups)
+        return cls(counts, placement.spatial, world_size, placement.first)
+
+    def _group(self, rank: int) -> int:
+        """The sample group `rank` belongs to (-1: none)."""
+        group = (rank - self.first) // self.spatial if rank >= self.first else -1
+        return group if group < len(self.counts) else -1
 
     def samples(self, rank: int) -> int:
         """Samples this rank holds (every part of a group holds all of the group's samples)."""
-        group = rank // self.spatial
-        return self.counts[group] if group < len(self.counts) else 0
+        group = self._group(rank)
+        return self.counts[group] if group >= 0 else 0
 
     def part(self, rank: int) -> tuple[tuple[int, ...], int]:
         """The ranks of this rank's sample group, in part order, and its index among them."""
-        first = rank - rank % self.spatial
-        return tuple(range(first, first + self.spatial)), rank % self.spatial
+        index = (rank - self.first) % self.spatial
+        return tuple(range(rank - index, rank - index + self.spatial)), index
 
     def block(self, rank: int, size: int) -> Block:
         """What `rank` holds of a value whose split dimension has `size` rows."""
-        group = rank // self.spatial
-        if group >= len(self.counts) or not self.counts[group]:
+        group = self._group(rank)
+        if group < 0 or not self.counts[group]:
             return Block(0, 0, 0, 0)
         base, extra = divmod(size, self.spatial)
-        index = rank % self.spatial
+        index = (rank - self.first) % self.spatial
         row_start = index * base + min(index, extra)
         return Block(sum(self.counts[:group]), self.counts[group], row_start, base + (index < extra))
 

@@ -1,9 +1,10 @@
 """The burst-parallel step as data: stages, actions and the passes that lower a plan into them.
 
-Every rank derives the same action lists from the same graph and widths, so collectives are issued
-in one order everywhere, in forward and in backward. A rank executes the actions it takes part in:
-`forward`/`backward` of a stage when its rank is below the stage's width, `send`/`send_grad` when it
-holds or receives samples that move, `sync` when it owns the bucket's parameters.
+Every rank derives the same action lists from the same graph and placements, so collectives are
+issued in one order everywhere, in forward and in backward. A rank executes the actions it takes part
+in: `forward`/`backward` of a stage when it is one of the stage's ranks, `send`/`send_grad` when it
+holds or receives samples that move, `sync` when it runs the bucket's parameters. Stages on disjoint
+rank sets (independent branches) therefore run side by side.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ class Stage:
     def width(self) -> int:
         return self.placement.width
 
+    @property
+    def ranks(self) -> range:
+        return self.placement.ranks
+
 
 @dataclass(frozen=True)
 class Bucket:
-    """Parameters whose gradients are all-reduced together among ranks 0..width-1."""
+    """Parameters whose gradients are all-reduced together among `ranks`."""
 
     index: int
-    width: int
+    ranks: tuple[int, ...]
     params: tuple[str, ...]
 
 
@@ -79,7 +84,9 @@ class Action(NamedTuple):
 
 @dataclass(frozen=True)
 class Schedule:
-    """Everything a rank needs to run one step of a plan."""
+    """Everything a rank needs to run one step of a plan. `param_ranks`: per parameter, the ranks that
+    run a layer using it (its gradient is summed among them); its owners are those and rank 0, which
+    holds every parameter (its gradient reaches rank 0 after the sum where rank 0 runs none of them)."""
 
     world_size: int
     placements: dict[str, Placement]
@@ -87,10 +94,25 @@ class Schedule:
     buckets: tuple[Bucket, ...]
     forward: tuple[Action, ...]
     backward: tuple[Action, ...]
-    param_widths: dict[str, int]
+    param_ranks: dict[str, tuple[int, ...]]
+
+    def owners(self, param: str) -> tuple[int, ...]:
+        """The ranks that hold `param` (every rank for a parameter no planned layer uses)."""
+        ranks = self.param_ranks.get(param)
+        return tuple(range(self.world_size)) if ranks is None else tuple(sorted({0, *ranks}))
 
     def owns(self, rank: int, param: str) -> bool:
-        return rank < self.param_widths.get(param, self.world_size)
+        return rank in self.owners(param)
+
+    def to_rank_zero(self, rank: int) -> dict[int, list[str]]:
+        """Parameters whose summed gradient moves to rank 0 (which runs none of their layers), by the
+        peer `rank` exchanges them with: on rank 0, each sender (the first of the parameter's ranks);
+        on a sender, rank 0. Empty elsewhere."""
+        moves: dict[int, list[str]] = {}
+        for param, ranks in self.param_ranks.items():
+            if 0 not in ranks and rank in (0, ranks[0]):
+                moves.setdefault(ranks[0] if rank == 0 else 0, []).append(param)
+        return moves
 
 
 def build_stages(graph: LayerGraph, given: Mapping[str, Placement | int]) -> tuple[Stage, ...]:
@@ -176,13 +198,13 @@ def plan_buckets(
     stages: Sequence[Stage],
     layer_params: Mapping[str, Sequence[str]],
     param_bytes: Mapping[str, int],
-    param_widths: Mapping[str, int],
+    param_ranks: Mapping[str, tuple[int, ...]],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> tuple[list[Bucket], dict[int, list[int]]]:
-    """Group gradients by owner width in the order they become final in backward.
+    """Group gradients by the ranks that sum them, in the order they become final in backward.
 
     Returns the buckets and, per stage index, the buckets that can be launched after its backward.
-    A parameter is final once every stage using it has run backward. Width-1 parameters need no
+    A parameter is final once every stage using it has run backward. Parameters one rank runs need no
     all-reduce and are left out. Buckets are cut by `cut_into_buckets`.
     """
     first_user: dict[str, int] = {}
@@ -194,27 +216,27 @@ def plan_buckets(
     ready_after: dict[int, list[int]] = {}
     for stage in reversed(stages):
         # Backward meets a stage's parameters in reverse forward order: bucket them that way.
-        final = [p for p, s in first_user.items() if s == stage.index and param_widths[p] > 1][::-1]
-        by_width: dict[int, list[str]] = {}
+        final = [p for p, s in first_user.items() if s == stage.index and len(param_ranks[p]) > 1][::-1]
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
         for param in final:
-            by_width.setdefault(param_widths[param], []).append(param)
-        for width in sorted(by_width):
-            sized = [(param, param_bytes[param]) for param in by_width[width]]
+            by_ranks.setdefault(param_ranks[param], []).append(param)
+        for ranks in sorted(by_ranks, key=lambda r: (len(r), r)):
+            sized = [(param, param_bytes[param]) for param in by_ranks[ranks]]
             for chunk in cut_into_buckets(sized, bucket_bytes, first=not buckets):
-                buckets.append(Bucket(len(buckets), width, tuple(chunk)))
+                buckets.append(Bucket(len(buckets), ranks, tuple(chunk)))
                 ready_after.setdefault(stage.index, []).append(buckets[-1].index)
     return buckets, ready_after
 
 
-def param_owner_widths(
-    widths: Mapping[str, int], layer_params: Mapping[str, Sequence[str]]
-) -> dict[str, int]:
-    """A parameter lives on ranks 0..w-1 for the widest layer w that uses it."""
-    owners: dict[str, int] = {}
+def param_ranks(
+    placements: Mapping[str, Placement], layer_params: Mapping[str, Sequence[str]]
+) -> dict[str, tuple[int, ...]]:
+    """The ranks that run some layer using each parameter, sorted."""
+    ranks: dict[str, set[int]] = {}
     for layer, params in layer_params.items():
         for param in params:
-            owners[param] = max(owners.get(param, 0), widths[layer])
-    return owners
+            ranks.setdefault(param, set()).update(placements[layer].ranks)
+    return {param: tuple(sorted(found)) for param, found in ranks.items()}
 
 
 def build_schedule(
@@ -229,8 +251,8 @@ def build_schedule(
     placed = {name: Placement.of(p) for name, p in placements.items()}
     stages = build_stages(graph, placed)
     forward = lower_forward(graph, stages, world_size)
-    param_widths = param_owner_widths({name: p.width for name, p in placed.items()}, layer_params)
-    buckets, ready_after = plan_buckets(stages, layer_params, param_bytes, param_widths, bucket_bytes)
+    ranks = param_ranks(placed, layer_params)
+    buckets, ready_after = plan_buckets(stages, layer_params, param_bytes, ranks, bucket_bytes)
     backward = lower_backward(graph, stages, forward, buckets, ready_after)
     return Schedule(
         world_size=world_size,
@@ -239,5 +261,5 @@ def build_schedule(
         buckets=tuple(buckets),
         forward=tuple(forward),
         backward=tuple(backward),
-        param_widths=param_widths,
+        param_ranks=ranks,
     )

@@ -41,30 +41,56 @@ def check_sizes(world_size: int, global_batch_size: int, graph: LayerGraph | Non
 
 
 def as_placement(value: object, what: str) -> Placement:
-    """`value` as a `Placement`: a width (int, not split), a Placement, or a mapping ``{"width": w,
-    "spatial": s}`` (spatial 1 when absent). ValueError starting with `what` otherwise."""
-    width: object
-    spatial: object
+    """`value` as a `Placement`: a width (int, not split, from rank 0), a Placement, or a mapping
+    ``{"width": w, "spatial": s}`` (spatial 1 when absent) or ``{"ranks": [2, 3], "spatial": s}``
+    (consecutive ranks: width 2 from rank 2). ValueError starting with `what` otherwise."""
     if isinstance(value, Placement):
-        width, spatial = value
-    elif isinstance(value, Mapping):
-        unknown = sorted(map(str, set(value) - {"width", "spatial"}))
-        if unknown or "width" not in value:
-            problem = f"unknown keys {unknown}" if unknown else "no 'width'"
+        return value
+    width: object
+    spatial: object = 1
+    first = 0
+    if isinstance(value, Mapping):
+        unknown = sorted(map(str, set(value) - {"width", "spatial", "ranks"}))
+        if unknown or not {"width", "ranks"} & set(value):
+            problem = f"unknown keys {unknown}" if unknown else "no 'width' or 'ranks'"
             raise ValueError(
                 f"{what}: {dict(value)!r} has {problem}; give a width or a mapping like "
-                "{'width': 4, 'spatial': 2} (4 devices: 2 sample groups, each sample in 2 parts)"
+                "{'width': 4, 'spatial': 2} (4 devices: 2 sample groups, each sample in 2 parts) or "
+                "{'ranks': [2, 3]} (ranks 2 and 3)"
             )
-        width, spatial = value["width"], value.get("spatial", 1)
+        spatial = value.get("spatial", 1)
+        width = value.get("width")
+        if "ranks" in value:
+            first, count = _rank_range(value["ranks"], what)
+            if width is not None and width != count:
+                raise ValueError(
+                    f"{what}: width {width!r} but {count} ranks {list(value['ranks'])}; give one"
+                )
+            width = count
     else:
-        width, spatial = value, 1
+        width = value
     whole, parts = _integer(width), _integer(spatial)
     if whole is None or parts is None:
         raise ValueError(
             f"{what}: {value!r} is not a width (an int), a Placement or a mapping like "
-            "{'width': 4, 'spatial': 2}"
+            "{'width': 4, 'spatial': 2} or {'ranks': [2, 3]}"
         )
-    return Placement(whole, parts)
+    return Placement(whole, parts, first)
+
+
+def _rank_range(ranks: object, what: str) -> tuple[int, int]:
+    """The first rank and the count of a list of consecutive ranks, in increasing order."""
+    given = list(ranks) if isinstance(ranks, (list, tuple, range)) else []
+    numbers = [_integer(rank) for rank in given]
+    if not numbers or None in numbers:
+        raise ValueError(f"{what}: ranks {ranks!r} are not a non-empty list of ints, e.g. [2, 3]")
+    first = numbers[0] or 0
+    if first < 0 or numbers != list(range(first, first + len(numbers))):
+        raise ValueError(
+            f"{what}: ranks {given} are not consecutive ranks in increasing order (>= 0); a layer "
+            f"runs on a range of ranks, e.g. [{max(first, 0)}, {max(first, 0) + 1}]"
+        )
+    return first, len(numbers)
 
 
 def _integer(value: object) -> int | None:
@@ -75,11 +101,17 @@ def check_placement(
     layer: Layer, placement: Placement, *, world_size: int, global_batch_size: int | None
 ) -> None:
     """Raise ValueError naming the layer unless it can run at `placement`: width in 1..N, a spatial split
-    that divides the width, only on a layer with a height and into at most its rows, and at most one
-    sample group per sample of the global batch (unchecked when the batch is None)."""
-    width, spatial = placement
+    that divides the width, only on a layer with a height and into at most its rows, ranks that are all
+    in the world, and at most one sample group per sample of the global batch (unchecked when the batch
+    is None)."""
+    width, spatial, first = placement
     if not 1 <= width <= world_size:
         raise ValueError(f"layer {layer.name!r} has width {width}, outside 1..{world_size}")
+    if not 0 <= first <= world_size - width:
+        raise ValueError(
+            f"layer {layer.name!r}: ranks {first}..{first + width - 1} are not all in a world of "
+            f"{world_size} ranks (0..{world_size - 1}); start at a rank from 0 to {world_size - width}"
+        )
     if spatial < 1 or width % spatial:
         raise ValueError(
             f"layer {layer.name!r}: spatial {spatial} does not divide width {width}; split each sample in a "

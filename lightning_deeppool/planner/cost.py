@@ -8,10 +8,11 @@ functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1
   (`effective_samples`), interpolated between profiled batches and, below the smallest, along the
   line through the two smallest, never below 0, so a fixed per-call cost does not shrink
   (`fractional_time`).
-- sync: its gradients all-reduced among its w devices (ranks 0..w-1 own its parameters, however the
-  samples are split). A parameter several layers share is reduced once, among its widest user's
-  devices, and charged there (`synced_bytes`); the search's DP, seeing one layer at a time, charges
-  it to its first user.
+- sync: its gradients all-reduced among its w devices (its ranks, however the samples are split),
+  plus, for a layer that rank 0 does not run (``first > 0``), one message of them to rank 0, which
+  holds every parameter and updates it (`sync_time`). A parameter several layers share is reduced
+  once, among the ranks of all its users, and charged to the widest (`synced_bytes`,
+  `sync_group_sizes`); the search's DP, seeing one layer at a time, charges it to its first user.
 - transfer: activations forward and their gradients backward on every edge whose ends have different
   placements, charged to the consumer (a graph output's return to width N: to its producer). Sized by
   the samples the busiest rank sends or receives (`busiest_samples`) or, with an end split by height,
@@ -27,8 +28,15 @@ functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1
   bucket before it has been reduced. The step is the later of backward's end and the last
   all-reduce's; the sync seconds that fit before it are `StepCost.hidden_s`. Contention between an
   all-reduce and the compute or transfers beside it is not modelled.
+- concurrency (`scheduled_step`): layers on disjoint ranks (independent branches, ``first > 0``) run
+  side by side. Each rank runs its layers' forward in execution order and their backward in reverse,
+  a layer starting once all its ranks are free and its inputs (forward) or its consumers' gradients
+  (backward) are there; its transfers run on its own ranks. All-reduces on disjoint ranks run side by
+  side too. The step is the latest rank's clock; `StepCost.concurrent_s` is what that saves over
+  running every layer one after the other (0 when every layer starts at rank 0).
 - memory (`layer_memory`): the activation memory profiled at b, scaled by the row share a part holds,
-  plus parameters and gradients, on each of its w ranks.
+  plus parameters and gradients, on each of its w ranks; rank 0 also holds the parameters and
+  gradients of every layer it does not run.
 - sizes: graph inputs and outputs live at width N (with B < N, ranks B.. hold no sample). Every layer
   needs ``g <= B``, so with B < N only layers split by height run wider than B, and layers that reduce
   over each rank's samples (`Layer.per_rank`) cannot run at all (`checks.check_sizes`).
@@ -36,6 +44,7 @@ functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,10 +80,12 @@ class LayerCost:
 @dataclass(frozen=True)
 class StepCost:
     """Per-layer costs (execution order) and the predicted step time: their sum (`serial_s`) less the
-    all-reduce seconds that run beside backward (`hidden_s`, see `hidden_sync`)."""
+    all-reduce seconds that run beside backward (`hidden_s`, see `hidden_sync`) and the seconds saved
+    by layers on disjoint ranks running side by side (`concurrent_s`, see `scheduled_step`)."""
 
     layers: dict[str, LayerCost]
     hidden_s: float = 0.0
+    concurrent_s: float = 0.0
 
     @property
     def serial_s(self) -> float:
@@ -83,7 +94,7 @@ class StepCost:
 
     @property
     def total_s(self) -> float:
-        return self.serial_s - self.hidden_s
+        return self.serial_s - self.hidden_s - self.concurrent_s
 
 
 def halo_share(graph: LayerGraph, layer: Layer) -> float:
@@ -150,8 +161,18 @@ def halo_time(comm: CommProfile, layer: Layer, width: int | Placement, global_ba
 
 
 def sync_time(comm: CommProfile, layer: Layer, width: int | Placement) -> float:
-    """Seconds to all-reduce the layer's gradients among its ``width`` devices (0 at width 1)."""
-    return comm.allreduce_time(Placement.of(width).width, layer.param_bytes)
+    """Seconds to all-reduce the layer's gradients among its ``width`` devices (0 at width 1), plus
+    their message to rank 0 where rank 0 does not run the layer (`to_rank_zero_time`)."""
+    placement = Placement.of(width)
+    return comm.allreduce_time(placement.width, layer.param_bytes) + to_rank_zero_time(
+        comm, placement, layer.param_bytes
+    )
+
+
+def to_rank_zero_time(comm: CommProfile, placement: Placement, nbytes: float) -> float:
+    """Seconds to send `nbytes` of summed gradients to rank 0, which holds every parameter, from a layer
+    at `placement` that rank 0 does not run (0 where it does)."""
+    return comm.redistribute_time(nbytes) if placement.first > 0 else 0.0
 
 
 def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]:
@@ -163,6 +184,17 @@ def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]
         synced[tied.users[0]] -= tied.param_bytes
         synced[widest] += tied.param_bytes
     return synced
+
+
+def sync_group_sizes(graph: LayerGraph, placements: Mapping[str, Placement]) -> dict[str, int]:
+    """Devices each layer's sync all-reduces among: its width, or, for the widest user of a shared
+    parameter, the ranks of all its users (the same where every layer starts at rank 0)."""
+    sizes = {name: placement.width for name, placement in placements.items()}
+    for tied in graph.tied:
+        widest = max(tied.users, key=lambda name: (sizes[name], -graph.position(name)))
+        users = set().union(*(placements[name].ranks for name in tied.users))
+        sizes[widest] = max(sizes[widest], len(users))
+    return sizes
 
 
 def transfer_time(
@@ -187,9 +219,17 @@ def transfer_time(
     split = src.spatial > 1 or dst.spatial > 1
     if split and rows < 1:
         raise ValueError(f"moving a value between {src} and {dst} needs its rows (>= 1), got {rows}")
-    share = busiest_shares([src, dst], rows if split else 1, world_size, global_batch_size)[0, 1]
+    share = _busiest_share(src, dst, rows if split else 1, world_size, global_batch_size)
     price = comm.halo_time if split else comm.redistribute_time
-    return DIRECTIONS * price(float(share) * sample_bytes)
+    return DIRECTIONS * price(share * sample_bytes)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _busiest_share(
+    src: Placement, dst: Placement, rows: int, world_size: int, global_batch_size: int
+) -> float:
+    # Plans repeat a few pairs of placements on many edges, and the search costs many plans.
+    return float(busiest_shares([src, dst], rows, world_size, global_batch_size)[0, 1])
 
 
 def busiest_samples(widths: np.ndarray, world_size: int, global_batch_size: int) -> np.ndarray:
@@ -206,13 +246,14 @@ def busiest_shares(
     placements, for a value of `rows` rows. Vectorized (the reference is quadratic in the world size):
     a rank's block under each layout is a range of samples times a range of rows, and it sends
     (receives) what it holds under the old (new) layout minus the overlap of its two blocks."""
-    ranks = np.arange(world_size)
     widths = np.array([p.width for p in placements])
     spatial = np.array([p.spatial for p in placements])
+    ranks = np.arange(world_size) - np.array([p.first for p in placements])[:, None]  # from each first
     groups = widths // spatial
     group = ranks // spatial[:, None]
     base, extra = np.divmod(global_batch_size, groups)
-    counts = np.where(group < groups[:, None], base[:, None] + (group < extra[:, None]), 0)
+    inside = (ranks >= 0) & (group < groups[:, None])
+    counts = np.where(inside, base[:, None] + (group < extra[:, None]), 0)
     starts = group * base[:, None] + np.minimum(group, extra[:, None])
     part = ranks % spatial[:, None]
     row_base, row_extra = np.divmod(rows, spatial)
@@ -280,6 +321,7 @@ def evaluate(
         )
 
     synced = synced_bytes(graph, {name: placement.width for name, placement in placements.items()})
+    groups = sync_group_sizes(graph, placements)
     transfer = {layer.name: 0.0 for layer in graph.layers}
     for producer, consumer in edges(graph):
         transfer[consumer] += move(
@@ -289,6 +331,7 @@ def evaluate(
         transfer[producer] += move(producer, placements[producer], full, None)
     for layer in graph.layers:
         transfer[layer.name] += halo_time(profile.comm, layer, placements[layer.name], global_batch_size)
+    allreduce = {name: profile.comm.allreduce_time(groups[name], synced[name]) for name in placements}
     layers = {
         layer.name: LayerCost(
             compute_time(
@@ -298,38 +341,125 @@ def evaluate(
                 global_batch_size,
                 halo=halo_share(graph, layer),
             ),
-            profile.comm.allreduce_time(placements[layer.name].width, synced[layer.name]),
+            allreduce[layer.name]
+            + to_rank_zero_time(profile.comm, placements[layer.name], synced[layer.name]),
             transfer[layer.name],
         )
         for layer in graph.layers
     }
-    hidden = hidden_sync(graph, placements, layers, synced, profile.comm) if profile.comm.overlap else 0.0
-    return StepCost(layers, hidden)
+    buckets = sync_buckets(graph, placements, layers, synced, profile.comm)
+    hidden = hidden_sync(graph, layers, buckets) if profile.comm.overlap else 0.0
+    step = StepCost(layers, hidden)
+    if all(placement.first == 0 for placement in placements.values()):
+        return step  # every layer shares rank 0: one after the other
+    scheduled = scheduled_step(
+        graph, placements, layers, buckets, allreduce, world_size=world_size, overlap=profile.comm.overlap
+    )
+    return StepCost(layers, hidden, max(0.0, step.total_s - scheduled))
 
 
-def hidden_sync(
+def sync_buckets(
     graph: LayerGraph,
     placements: Mapping[str, Placement],
     layers: Mapping[str, LayerCost],
     synced: Mapping[str, int],
     comm: CommProfile,
-) -> float:
-    """Sync seconds that run while backward still computes (module docstring, overlap): every sync
-    second but those the last all-reduce runs past backward's end."""
-    clock = sum((1 - BACKWARD_SHARE) * c.compute_s + c.transfer_s / 2 for c in layers.values())
-    free = 0.0  # when the all-reduce before the next one is done
-    first = True
+) -> list[list[str]]:
+    """The layers whose gradients are all-reduced together, in launch order, as the runtime cuts them:
+    per run of one placement in backward order, by `buckets.cut_into_buckets` (layers without a sync
+    left out)."""
+    buckets: list[list[str]] = []
     for run in reversed(equal_width_runs((layer.name for layer in graph.layers), placements)):
-        done: dict[str, float] = {}
-        for name in reversed(run):
-            clock += BACKWARD_SHARE * layers[name].compute_s + layers[name].transfer_s / 2
-            done[name] = clock
         sized = [(name, synced[name]) for name in reversed(run) if layers[name].sync_s > 0]
-        for bucket in cut_into_buckets(sized, comm.bucket_bytes, first=first):
-            first = False
-            free = max(free, done[bucket[-1]]) + sum(layers[name].sync_s for name in bucket)
+        buckets.extend(cut_into_buckets(sized, comm.bucket_bytes, first=not buckets))
+    return buckets
+
+
+def hidden_sync(
+    graph: LayerGraph, layers: Mapping[str, LayerCost], buckets: Sequence[Sequence[str]]
+) -> float:
+    """Sync seconds that run while backward still computes (module docstring, overlap), every layer one
+    after the other: every sync second but those the last all-reduce runs past backward's end."""
+    clock = sum((1 - BACKWARD_SHARE) * c.compute_s + c.transfer_s / 2 for c in layers.values())
+    done: dict[str, float] = {}
+    for layer in reversed(graph.layers):
+        cost = layers[layer.name]
+        clock += BACKWARD_SHARE * cost.compute_s + cost.transfer_s / 2
+        done[layer.name] = clock
+    free = 0.0  # when the all-reduce before the next one is done
+    for bucket in buckets:
+        free = max(free, done[bucket[-1]]) + sum(layers[name].sync_s for name in bucket)
     total = sum(c.sync_s for c in layers.values())
     return total - max(0.0, free - clock)
+
+
+def scheduled_step(
+    graph: LayerGraph,
+    placements: Mapping[str, Placement],
+    layers: Mapping[str, LayerCost],
+    buckets: Sequence[Sequence[str]],
+    allreduce: Mapping[str, float],
+    *,
+    world_size: int,
+    overlap: bool,
+) -> float:
+    """Seconds of one step with layers on disjoint ranks side by side (module docstring, concurrency).
+
+    Forward takes ``1 - BACKWARD_SHARE`` of a layer's compute and half its transfers, backward the
+    rest. A bucket's all-reduce (`allreduce` seconds of its layers) runs on its ranks' links once the
+    bucket before it on those links is done and, with `overlap`, its last layer's backward (without,
+    once its ranks' backward is over); the rest of its layers' sync, the message to rank 0, then
+    occupies rank 0's link and the first of the bucket's ranks. Where every layer starts at rank 0 this
+    is the serial step less `hidden_sync`'s seconds (or the serial step, without `overlap`).
+    """
+    busy = np.zeros(world_size)  # when each rank's compute is next free
+    done: dict[str, float] = {}
+    for layer in graph.layers:
+        ranks = _span(placements[layer.name])
+        ready = max((done[name] for name in layer.inputs if name in done), default=0.0)
+        cost = layers[layer.name]
+        done[layer.name] = max(float(busy[ranks].max()), ready) + (1 - BACKWARD_SHARE) * cost.compute_s
+        done[layer.name] += cost.transfer_s / 2
+        busy[ranks] = done[layer.name]
+    consumers: dict[str, list[str]] = {}
+    for producer, consumer in edges(graph):
+        consumers.setdefault(producer, []).append(consumer)
+    for layer in reversed(graph.layers):
+        ranks = _span(placements[layer.name])
+        ready = max((done[name] for name in consumers.get(layer.name, ())), default=0.0)
+        cost = layers[layer.name]
+        start = max(float(busy[ranks].max()), ready)
+        done[layer.name] = start + BACKWARD_SHARE * cost.compute_s + cost.transfer_s / 2
+        busy[ranks] = done[layer.name]
+    link = np.zeros(world_size)  # when each rank's link is next free
+    for bucket in buckets:
+        placement = placements[bucket[0]]
+        ranks = _span(placement)
+        ready = done[bucket[-1]] if overlap else float(busy[ranks].max())
+        end = max(float(link[ranks].max()), ready) + sum(allreduce[name] for name in bucket)
+        link[ranks] = end
+        rest = sum(layers[name].sync_s - allreduce[name] for name in bucket)
+        if rest > 0:
+            pair = [0, placement.first]
+            link[pair] = max(float(link[pair].max()), end) + rest
+    return float(max(busy.max(), link.max()))
+
+
+def compute_span(
+    graph: LayerGraph,
+    placements: Mapping[str, Placement],
+    layers: Mapping[str, LayerCost],
+    *,
+    world_size: int,
+) -> float:
+    """Seconds of one step's compute alone (`scheduled_step` without transfers and syncs): the layers'
+    compute one after the other, less what layers on disjoint ranks compute side by side."""
+    compute = {name: LayerCost(cost.compute_s, 0.0, 0.0) for name, cost in layers.items()}
+    return scheduled_step(graph, placements, compute, [], {}, world_size=world_size, overlap=False)
+
+
+def _span(placement: Placement) -> slice:
+    return slice(placement.first, placement.first + placement.width)
 
 
 def ddp_widths(graph: LayerGraph, world_size: int) -> dict[str, int]:
@@ -372,14 +502,14 @@ def memory_per_rank(
     world_size: int,
     global_batch_size: int,
 ) -> list[float]:
-    """Estimated bytes per rank: the layers it runs (rank r runs those wider than r); rank 0 is the max."""
-    per_layer = [
-        (
-            Placement.of(widths[layer.name]).width,
-            layer_memory(
-                profile, layer, widths[layer.name], global_batch_size, halo=halo_share(graph, layer)
-            ),
+    """Estimated bytes per rank: the layers it runs (those whose ranks include it); rank 0 also holds the
+    parameters and gradients of the layers it does not run."""
+    memory = np.zeros(world_size)
+    for layer in graph.layers:
+        placement = Placement.of(widths[layer.name])
+        memory[_span(placement)] += layer_memory(
+            profile, layer, placement, global_batch_size, halo=halo_share(graph, layer)
         )
-        for layer in graph.layers
-    ]
-    return [sum(m for w, m in per_layer if w > rank) for rank in range(world_size)]
+        if placement.first > 0:
+            memory[0] += 2 * layer.param_bytes
+    return [float(m) for m in memory]

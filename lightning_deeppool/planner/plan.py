@@ -2,7 +2,9 @@
 JSON the runtime reads.
 
 JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``. A layer without
-``"spatial"`` loads with spatial 1 (not split).
+``"spatial"`` loads with spatial 1 (not split), one without ``"first"`` starts at rank 0 (the key is
+written only where a layer starts elsewhere, as are the plan's ``concurrent_s`` and ``compute_span_s``,
+so plans that place every layer from rank 0 read as before).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ PLAN_VERSION = 1
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer's placement and its predicted costs (seconds): it runs on ranks 0..width-1, as
-    ``width // spatial`` sample groups, each sample split by height in `spatial` parts (1: not split).
-    A layer's halo exchange is part of its `transfer_s`."""
+    """One layer's placement and its predicted costs (seconds): it runs on ranks first..first+width-1,
+    as ``width // spatial`` sample groups, each sample split by height in `spatial` parts (1: not split).
+    A layer's halo exchange is part of its `transfer_s`; where rank 0 does not run it, the message of its
+    gradients to rank 0 is part of its `sync_s`."""
 
     name: str
     module: str | None
@@ -37,10 +40,23 @@ class LayerPlan:
     transfer_s: float
     params: int
     spatial: int = 1
+    first: int = 0
 
     @property
     def placement(self) -> Placement:
-        return Placement(self.width, self.spatial)
+        return Placement(self.width, self.spatial, self.first)
+
+    @property
+    def ranks(self) -> str:
+        """Its ranks as text: ``"0-3"``, or ``"2"`` for one."""
+        last = self.first + self.width - 1
+        return str(self.first) if last == self.first else f"{self.first}-{last}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.first:
+            del data["first"]
+        return data
 
 
 @dataclass(frozen=True)
@@ -48,9 +64,11 @@ class Plan:
     """Placements of every layer (execution order) for one graph, world size and global batch size.
 
     The predicted step times are the sum of the layers' costs less `hidden_sync_s`, the all-reduce
-    seconds that run beside backward (`cost.hidden_sync`), plus `optimizer_s`, the update of every
-    parameter that rank 0 (which owns every layer) does each step, and `sync_wait_s`, the ranks' wait
-    for each other (see `CommProfile`).
+    seconds that run beside backward (`cost.hidden_sync`), less `concurrent_s`, the seconds saved by
+    layers on disjoint ranks running side by side (`cost.scheduled_step`), plus `optimizer_s`, the
+    update of every parameter that rank 0 (which holds every parameter) does each step, and
+    `sync_wait_s`, the ranks' wait for each other (see `CommProfile`). `compute_span_s` is the compute
+    of one step with such layers side by side (None: the layers' compute one after the other).
     """
 
     world_size: int
@@ -64,6 +82,8 @@ class Plan:
     sync_wait_s: float = 0.0
     limited: tuple[str, ...] = ()  # layers the amplification limit kept from some placements
     hidden_sync_s: float = 0.0
+    concurrent_s: float = 0.0
+    compute_span_s: float | None = None
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -80,7 +100,7 @@ class Plan:
         return {layer.name: layer.width for layer in self.layers}
 
     def placements(self) -> dict[str, Placement]:
-        """Every layer's width and spatial split."""
+        """Every layer's width, spatial split and first rank."""
         return {layer.name: layer.placement for layer in self.layers}
 
     @property
@@ -91,12 +111,15 @@ class Plan:
         )
 
     def idle_fractions(self) -> list[float]:
-        """Per rank, the fraction of the plan's predicted compute time during which it runs no layer."""
+        """Per rank, the fraction of the plan's predicted compute time (`compute_span_s`) during which
+        it runs no layer (a layer runs on the ranks of its placement)."""
         total = sum(layer.compute_s for layer in self.layers)
-        if total <= 0:
+        span = total if self.compute_span_s is None else self.compute_span_s
+        if span <= 0:
             return [0.0] * self.world_size
         return [
-            sum(layer.compute_s for layer in self.layers if layer.width <= rank) / total
+            max(0.0, span - sum(layer.compute_s for layer in self.layers if rank in layer.placement.ranks))
+            / span
             for rank in range(self.world_size)
         ]
 
@@ -115,7 +138,9 @@ class Plan:
             "sync_wait_s": self.sync_wait_s,
             "limited": list(self.limited),
             "hidden_sync_s": self.hidden_sync_s,
-            "layers": [asdict(layer) for layer in self.layers],
+            **({"concurrent_s": self.concurrent_s} if self.concurrent_s else {}),
+            **({"compute_span_s": self.compute_span_s} if self.compute_span_s is not None else {}),
+            "layers": [layer.to_dict() for layer in self.layers],
         }
 
     @classmethod
@@ -138,6 +163,8 @@ class Plan:
             sync_wait_s=float(data.get("sync_wait_s", 0.0)),
             limited=tuple(data.get("limited", ())),
             hidden_sync_s=float(data.get("hidden_sync_s", 0.0)),
+            concurrent_s=float(data.get("concurrent_s", 0.0)),
+            compute_span_s=None if data.get("compute_span_s") is None else float(data["compute_span_s"]),
         )
 
     def to_json(self) -> str:
@@ -157,12 +184,15 @@ class Plan:
 
     def table(self) -> str:
         """Aligned text table of the layers, with predicted step time, speedup and idle fraction per rank;
-        a ``spatial`` column (parts per sample) when some layer is split by height."""
+        a ``spatial`` column (parts per sample) when some layer is split by height, a ``ranks`` column
+        (``0-3``, ``2-3``) when some layer does not start at rank 0."""
         split = any(layer.spatial > 1 for layer in self.layers)
+        placed = any(layer.first for layer in self.layers)
         header = (
             "layer",
             "module",
             "width",
+            *(("ranks",) if placed else ()),
             *(("spatial",) if split else ()),
             "compute ms",
             "sync ms",
@@ -174,6 +204,7 @@ class Plan:
                 layer.name,
                 layer.module or "-",
                 str(layer.width),
+                *((layer.ranks,) if placed else ()),
                 *((str(layer.spatial),) if split else ()),
                 f"{layer.compute_s * 1e3:.3f}",
                 f"{layer.sync_s * 1e3:.3f}",
@@ -196,10 +227,16 @@ class Plan:
             if self.hidden_sync_s
             else ""
         )
+        concurrent = (
+            f"; layers on disjoint ranks side by side save {self.concurrent_s * 1e3:.3f} ms"
+            if self.concurrent_s
+            else ""
+        )
         footer = [
             f"predicted step time {self.predicted_step_time_s * 1e3:.3f} ms vs DDP "
             f"{self.predicted_ddp_step_time_s * 1e3:.3f} ms: speedup {self.speedup:.2f}x "
-            f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer}){hidden}",
+            f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer}){hidden}"
+            f"{concurrent}",
             "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
         ]
         if self.limited:
@@ -269,7 +306,7 @@ def validate_plan(plan: Plan, graph: LayerGraph) -> None:
 def plan_with_widths(
     graph: LayerGraph,
     profile: Profile,
-    widths: Mapping[str, int | Placement | Mapping[str, int]],
+    widths: Mapping[str, int | Placement | Mapping[str, object]],
     *,
     world_size: int,
     global_batch_size: int,
@@ -277,8 +314,8 @@ def plan_with_widths(
     limited: tuple[str, ...] = (),
 ) -> Plan:
     """Cost a given assignment into a Plan: per layer (every one) a width in 1..N, a `Placement`, or a
-    mapping ``{"width": w, "spatial": s}``, checked as `validate_plan` checks a plan; `limited` names
-    the layers the amplification limit constrained."""
+    mapping ``{"width": w, "spatial": s}`` or ``{"ranks": [2, 3]}`` (`checks.as_placement`), checked as
+    `validate_plan` checks a plan; `limited` names the layers the amplification limit constrained."""
     checks.check_sizes(world_size, global_batch_size, graph)
     checks.check_profile(graph, profile)
     names = {layer.name for layer in graph.layers}
@@ -310,6 +347,10 @@ def plan_with_widths(
         sync_wait_s=profile.comm.sync_wait_s,
         limited=limited,
         hidden_sync_s=step.hidden_s,
+        concurrent_s=step.concurrent_s,
+        compute_span_s=cost.compute_span(graph, placements, step.layers, world_size=world_size)
+        if any(placement.first for placement in placements.values())
+        else None,
         graph_fingerprint=graph.fingerprint,
         layers=tuple(
             LayerPlan(
@@ -321,6 +362,7 @@ def plan_with_widths(
                 transfer_s=step.layers[layer.name].transfer_s,
                 params=layer.params,
                 spatial=placements[layer.name].spatial,
+                first=placements[layer.name].first,
             )
             for layer in graph.layers
         ),

@@ -20,6 +20,12 @@ time under hard constraints, by dynamic programming over the layers in execution
   for w > B); otherwise an unsplit width is about as fast without the halo exchange (what is left out
   gains less than one sample per device). Above ``EXHAUSTIVE_UP_TO`` devices, per number of parts,
   only the fewest groups for each per-group batch.
+- branches side by side (`side_by_side`, after the DP, which places every layer from rank 0): for each
+  region of independent branches (`branches.find_regions`) without a pinned layer, the branches get
+  disjoint ranges of ranks by a min-max allocation, each branch's layers at one unsplit width, the best
+  its range allows among the widths every layer of the branch meets the amplification limit at (full
+  width's exemption does not reach a branch), and the region keeps them where `cost.evaluate` (which
+  runs layers on disjoint ranks side by side) predicts a faster step.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 from lightning_deeppool.ir.graph import Layer, LayerGraph, under
 from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import Profile
+from lightning_deeppool.planner import branches as branch_regions
 from lightning_deeppool.planner import checks, cost
 from lightning_deeppool.planner.plan import Plan, plan_with_widths
 
@@ -92,12 +99,13 @@ def candidate_placements(world_size: int, global_batch_size: int) -> list[Placem
 
 def resolve_pins(
     graph: LayerGraph,
-    pins: Mapping[str, int | Placement | Mapping[str, int]] | None,
+    pins: Mapping[str, int | Placement | Mapping[str, object]] | None,
     world_size: int,
     global_batch_size: int | None = None,
 ) -> dict[str, Placement]:
     """Placement of every pinned layer. A pin is a width (int), a `Placement` or a mapping
-    ``{"width": 4, "spatial": 2}`` (4 devices: 2 sample groups, each sample in 2 parts). A pin matches
+    ``{"width": 4, "spatial": 2}`` (4 devices: 2 sample groups, each sample in 2 parts) or
+    ``{"ranks": [2, 3]}`` (consecutive ranks, here 2 and 3; "spatial" may be given too). A pin matches
     a layer whose module (also without the ``_orig_mod`` of a compiled submodule) or name equals the
     prefix or starts with ``prefix + "."``; ``""`` matches everything; the longest matching prefix
     wins. Every layer a pin decides must be able to run at it (`checks.check_placement`, with
@@ -111,6 +119,11 @@ def resolve_pins(
             raise ValueError(
                 f"pin {prefix!r}: width {placement.width} is outside 1..{world_size}; pin a width between 1 "
                 "and the world size"
+            )
+        if placement.first + placement.width > world_size:
+            raise ValueError(
+                f"pin {prefix!r}: ranks {placement.first}..{placement.first + placement.width - 1} are not "
+                f"all in a world of {world_size} ranks (0..{world_size - 1})"
             )
         placements[prefix] = placement
 
@@ -171,11 +184,12 @@ def search(
     global_batch_size: int,
     amplification_limit: float = 2.0,
     exempt_below_s: float = DEFAULT_EXEMPT_BELOW_S,
-    pins: Mapping[str, int | Placement | Mapping[str, int]] | None = None,
+    pins: Mapping[str, int | Placement | Mapping[str, object]] | None = None,
     memory_budget_bytes: float | None = None,
     max_states: int = DEFAULT_MAX_STATES,
     min_gain: float = DEFAULT_MIN_GAIN,
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+    branches: bool = True,
 ) -> Plan:
     """The plan with the least predicted step time.
 
@@ -189,7 +203,9 @@ def search(
     than `min_gain` (a fraction), full width is returned (never a plan predicted slower than it);
     otherwise each run of layers of one placement is widened (to full width, else to a neighbouring
     run's placement: more devices, or as many with fewer spatial parts) while the predicted step stays
-    within `tie_tolerance` of the best.
+    within `tie_tolerance` of the best. With `branches`, independent branches may then run side by side
+    on disjoint ranks (`side_by_side`), kept only where they gain more than `tie_tolerance` and the
+    plan still beats full width by `min_gain`; ``branches=False`` places every layer from rank 0.
     """
     checks.check_sizes(world_size, global_batch_size, graph)
     checks.check_profile(graph, profile)
@@ -198,6 +214,10 @@ def search(
             f"amplification limit {amplification_limit} is below 1, which no width above 1 can meet; use "
             "a limit >= 1 (float('inf') disables it)"
         )
+    pinned = {
+        **resolve_pins(graph, pins, world_size, global_batch_size),
+        **full_width_layers(graph, world_size),
+    }
     tables = _Tables.build(
         graph,
         profile,
@@ -205,10 +225,7 @@ def search(
         global_batch_size=global_batch_size,
         amplification_limit=amplification_limit,
         exempt_below_s=exempt_below_s,
-        pinned={
-            **resolve_pins(graph, pins, world_size, global_batch_size),
-            **full_width_layers(graph, world_size),
-        },
+        pinned=pinned,
     )
     if memory_budget_bytes is None:
         choice = _dp(tables, 0.0, max_states)
@@ -223,6 +240,18 @@ def search(
     sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     if memory_budget_bytes is None:
         placements = _prefer_wide(graph, profile, tables, placements, min_gain, tie_tolerance, **sizes)
+    if branches:
+        placements = side_by_side(
+            graph,
+            profile,
+            tables,
+            placements,
+            pinned=set(pinned),
+            min_gain=min_gain if memory_budget_bytes is None else None,
+            tie_tolerance=tie_tolerance,
+            memory_budget_bytes=memory_budget_bytes,
+            **sizes,
+        )
     return plan_with_widths(
         graph, profile, placements, amplification_limit=amplification_limit, limited=tables.limited, **sizes
     )
@@ -271,6 +300,153 @@ def _prefer_wide(
     return placements
 
 
+def side_by_side(
+    graph: LayerGraph,
+    profile: Profile,
+    tables: _Tables,
+    placements: dict[str, Placement],
+    *,
+    pinned: set[str],
+    min_gain: float | None,
+    tie_tolerance: float,
+    memory_budget_bytes: float | None,
+    world_size: int,
+    global_batch_size: int,
+) -> dict[str, Placement]:
+    """`placements` with the branches of each region (`branches.find_regions`) without a pinned layer
+    on disjoint ranks (`_allocate`) where `cost.evaluate` predicts a faster step and, with a memory
+    budget, every rank's estimated bytes stay within it. Unchanged unless the regions kept gain more
+    than `tie_tolerance` (ties keep every layer from rank 0) and, with `min_gain`, the result beats
+    full width by `min_gain` as `search` requires."""
+    sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
+
+    def fits(candidate: dict[str, Placement]) -> bool:
+        if memory_budget_bytes is None or not cost.has_memory(profile, graph):
+            return True
+        return max(cost.memory_per_rank(graph, profile, candidate, **sizes)) <= memory_budget_bytes
+
+    regions = [r for r in branch_regions.find_regions(graph) if not pinned.intersection(r.layers)]
+    if not regions:
+        return placements
+    start = cost.evaluate(graph, profile, placements, **sizes)
+    best, current = start.total_s, placements
+    layer_costs = start.layers
+    allocate = _Allocation(tables, graph)
+    for region in regions:
+        allocated = allocate(region, current)
+        if allocated is None:
+            continue
+        estimate, trial = allocated
+        readers = {m for name in region.layers for m in allocate.readers[name]} - set(region.layers)
+        serial = sum(layer_costs[name].total_s for name in region.layers)
+        if estimate >= serial + sum(layer_costs[name].transfer_s for name in readers):
+            continue  # side by side, the branches would not even finish sooner
+        candidate = {**current, **trial}
+        step = cost.evaluate(graph, profile, candidate, **sizes)
+        if step.total_s < best and fits(candidate):
+            best, current, layer_costs = step.total_s, candidate, step.layers
+    if best > (1 - tie_tolerance) * start.total_s:
+        return placements
+    if min_gain is not None:
+        full = _full_width(tables, graph, Placement(min(world_size, global_batch_size)))
+        if full is not None:
+            full_s = cost.evaluate(graph, profile, full, **sizes).total_s + profile.per_step_s
+            if best + profile.per_step_s > (1 - min_gain) * full_s:
+                return placements
+    return current
+
+
+class _Allocation:
+    """Disjoint rank ranges for a region's branches, each branch's layers at one width (`__call__`)."""
+
+    def __init__(self, tables: _Tables, graph: LayerGraph) -> None:
+        self._tables = tables
+        self._graph = graph
+        self._position = {name: k for k, name in enumerate(tables.names)}
+        self._index = {p: i for i, p in enumerate(tables.placements)}
+        self._plain = np.array(
+            [i for i, p in enumerate(tables.placements) if p.spatial == 1 and p.first == 0], dtype=np.int64
+        )
+        self.readers: dict[str, list[str]] = {name: [] for name in tables.names}  # layers reading it
+        for name, layer_edges in zip(tables.names, tables.edges, strict=True):
+            for producer, _ in layer_edges:
+                self.readers[producer].append(name)
+
+    def __call__(
+        self, region: branch_regions.Region, placements: Mapping[str, Placement]
+    ) -> tuple[float, dict[str, Placement]] | None:
+        """The allocation minimizing the slowest branch's seconds (`_branch_seconds`), by bisection on
+        that time, each branch taking the fewest devices within it (a branch's least time on at most k
+        devices only falls with k). The branch with the most parameter bytes starts at rank 0 (its
+        gradients need no message to rank 0), the others follow in order. Returns the slowest branch's
+        seconds and the placements; None where the branches fit no ranges."""
+        widths = self._tables.widths[self._plain]
+        seconds = [self._branch_seconds(branch, placements)[self._plain] for branch in region.branches]
+        bounds = np.unique(np.concatenate(seconds))
+        bounds = bounds[np.isfinite(bounds)]
+
+        def needs(bound: float) -> list[int] | None:
+            """Per branch, the index (into the plain candidates) of the fewest devices within `bound`;
+            None if they do not fit the world."""
+            chosen = []
+            for at in seconds:
+                within = np.flatnonzero(at <= bound)
+                if not len(within):
+                    return None
+                chosen.append(int(within[0]))
+            return chosen if int(widths[chosen].sum()) <= self._tables.world_size else None
+
+        low, high = 0, len(bounds) - 1
+        if high < 0 or needs(float(bounds[high])) is None:
+            return None
+        while low < high:
+            middle = (low + high) // 2
+            if needs(float(bounds[middle])) is None:
+                low = middle + 1
+            else:
+                high = middle
+        chosen = needs(float(bounds[low]))
+        assert chosen is not None
+        order = sorted(
+            range(len(region.branches)),
+            key=lambda j: (-sum(self._graph.layer(name).param_bytes for name in region.branches[j]), j),
+        )
+        trial, first = {}, 0
+        for j in order:
+            width = int(widths[chosen[j]])
+            trial.update(dict.fromkeys(region.branches[j], Placement(width, 1, first)))
+            first += width
+        return float(bounds[low]), trial
+
+    def _branch_seconds(self, branch: tuple[str, ...], placements: Mapping[str, Placement]) -> np.ndarray:
+        """Seconds of the branch with every layer at each candidate (inf where some layer may not run at
+        it): its layers' `_Tables.own` plus the moves of values between it and the layers outside it at
+        their `placements`, as from rank 0 (a placement not among the candidates is left out)."""
+        tables = self._tables
+        total = np.zeros(len(tables.placements))
+        inside = set(branch)
+        for name in branch:
+            k = self._position[name]
+            seconds = np.full(len(tables.placements), np.inf)
+            seconds[tables.allowed[k]] = tables.own[k]
+            for producer, matrix in tables.edges[k]:
+                row = self._candidate(placements[producer])
+                if producer not in inside and row is not None:
+                    seconds[tables.allowed[k]] += matrix[row]
+            for reader in self.readers[name]:
+                m = self._position[reader]
+                column = np.flatnonzero(tables.allowed[m] == self._candidate(placements[reader]))
+                if reader not in inside and len(column):
+                    matrix = next(matrix for producer, matrix in tables.edges[m] if producer == name)
+                    seconds += matrix[:, column[0]]
+            total += seconds
+        return total
+
+    def _candidate(self, placement: Placement) -> int | None:
+        """Index of `placement`, or of its width and split from rank 0, among the candidates."""
+        return self._index.get(placement, self._index.get(placement._replace(first=0)))
+
+
 def _breadth(placement: Placement) -> tuple[int, int]:
     """Wider first: more devices, then (on as many) fewer spatial parts, closer to data parallelism."""
     return placement.width, -placement.spatial
@@ -302,6 +478,8 @@ class _Tables:
     last_use: dict[str, int]  # layer -> position of its last consumer (absent: none)
     names: list[str]
     limited: tuple[str, ...]  # layers the amplification limit kept from some placements
+    widths: np.ndarray  # (C,) each candidate's width
+    world_size: int
 
     @classmethod
     def build(
@@ -347,7 +525,7 @@ class _Tables:
                 if not ok.all():
                     limited.append(layer.name)
                 idx, times = idx[ok], times[ok]
-            sync = np.array([cost.sync_time(profile.comm, layer, int(w)) for w in widths[idx]])
+            sync = np.array([cost.sync_time(profile.comm, layer, placements[i]) for i in idx])
             halos = [cost.halo_time(profile.comm, layer, placements[i], global_batch_size) for i in idx]
             vector = times + sync + np.array(halos)
             layer_edges = []
@@ -363,11 +541,19 @@ class _Tables:
                 vector = vector + transfer.seconds(layer.sample_bytes, rows)[idx, index[full]]
             allowed.append(idx)
             own.append(vector)
-            memory.append(_memory(profile, layer, batches[idx], spatial[idx], halo))
+            # Rank 0 holds a layer it does not run (pinned to other ranks) as parameters and gradients.
+            away = np.array([placements[i].first > 0 for i in idx], dtype=bool)
+            memory.append(
+                np.where(
+                    away, 2 * layer.param_bytes, _memory(profile, layer, batches[idx], spatial[idx], halo)
+                )
+            )
             edges.append(layer_edges)
         last_use = {name: k for k, layer in enumerate(graph.layers) for name in layer.inputs}
         names = [layer.name for layer in graph.layers]
-        return cls(placements, allowed, own, memory, edges, last_use, names, tuple(limited))
+        return cls(
+            placements, allowed, own, memory, edges, last_use, names, tuple(limited), widths, world_size
+        )
 
 
 def _times(
@@ -426,8 +612,8 @@ class _TransferTable:
     ) -> None:
         self._placements = placements
         self._sizes = (world_size, global_batch_size)
-        widths = np.array([p.width for p in placements])
-        self._plain = cost.busiest_samples(widths, world_size, global_batch_size)
+        unsplit = [Placement(p.width, 1, p.first) for p in placements]
+        self._plain = cost.busiest_shares(unsplit, 1, world_size, global_batch_size).astype(np.int64)
         self._split = np.array([p.spatial > 1 for p in placements])
         self._comm = profile.comm
         self._busiest: dict[int, tuple[np.ndarray, np.ndarray, tuple[int, int]]] = {}

@@ -8,8 +8,9 @@ devices:
 - **Burst**: the plan `search.search` finds, costed by the same model; it may split samples by height
   (`placement.Placement`), which lets layers use more devices than there are samples.
 - **Burst + background fill**: device-time the plan leaves idle runs background training. A rank is
-  idle during the compute of every layer narrower than its index (`Plan.idle_fractions`); time spent
-  in transfers and gradient syncs is not counted as idle. Background work is valued in
+  idle during the compute of every layer whose ranks do not include it (`Plan.idle_fractions`, over
+  the step's compute with independent branches side by side); time spent in transfers and gradient
+  syncs is not counted as idle. Background work is valued in
   *foreground-equivalent* samples: a background job is assumed to train the same model alone on one
   device at batch B, so an idle device-second yields ``efficiency * B / T1`` samples, where T1 is the
   single-device step time at batch B. ``efficiency`` is the share of idle time background work really
@@ -168,7 +169,20 @@ def table(projections: Sequence[Projection]) -> str:
     split = [(p.devices, spatial_summary(p.plan)) for p in projections if spatial_summary(p.plan)]
     if split:
         lines.append("split by height: " + "; ".join(f"{n} devices: {summary}" for n, summary in split))
+    placed = [(p.devices, branch_summary(p.plan)) for p in projections if branch_summary(p.plan)]
+    if placed:
+        lines.append("side by side: " + "; ".join(f"{n} devices: {summary}" for n, summary in placed))
     return "\n".join(lines)
+
+
+def branch_summary(plan: Plan) -> str:
+    """``3 of 7 layers off rank 0 (ranks 2-3, 4-7)`` for a plan that runs layers side by side on
+    disjoint ranks (some layer not starting at rank 0), else ``""``."""
+    away = [layer for layer in plan.layers if layer.first]
+    if not away:
+        return ""
+    ranks = ", ".join(dict.fromkeys(layer.ranks for layer in away))
+    return f"{len(away)} of {len(plan.layers)} layers off rank 0 (ranks {ranks})"
 
 
 def spatial_summary(plan: Plan) -> str:

@@ -8,7 +8,9 @@ contributions not reduced yet (*fresh*). A sync reduces only those, so any numbe
 backwards between optimizer steps gives one device's gradient: when a backward adds to a gradient
 that was already reduced (gradients not zeroed between steps), the reduced part is set aside and only
 the new part is reduced. A parameter that received nothing keeps ``grad is None``, as on one device.
-Which parameters are fresh is the same on every owner: they run the same layers on the same graph.
+Which parameters are fresh is the same on every rank that runs them: they run the same layers on
+the same graph. Rank 0 holds every parameter: where it runs none of a parameter's layers (a branch on
+other ranks), the first rank that does sends it the summed gradient at each sync.
 
 During the final backward pass of a step the schedule's buckets are launched once their gradients
 are final, so the all-reduce overlaps the rest of the backward, always in bucket order: at the next
@@ -20,6 +22,7 @@ launching gloo's asynchronous all-reduce alone blocked for 2 ms).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -29,14 +32,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_deeppool.comm.messages import Messages, Posted
-from lightning_deeppool.lowering.schedule import Bucket
+from lightning_deeppool.lowering.schedule import Bucket, Schedule
 
 
 class GradSync:
-    """Reduces this rank's fresh gradients: schedule buckets among their owners, `rank0_only` parameters
-    (only this rank owns them) by division, `world` parameters (used outside the planned forward) over
-    every rank. `uses` counts the layers using each parameter: a shared one is final only at its
-    bucket's schedule `sync`, not at its first hook."""
+    """Reduces this rank's fresh gradients: schedule buckets among the ranks that run them, `alone`
+    parameters (only this rank runs them) by division, `world` parameters (used outside the planned
+    forward) over every rank; then moves the summed gradients of `to_rank_zero` (`Schedule.to_rank_zero`)
+    between rank 0 and their first rank. `uses` counts the layers using each parameter: a shared one is
+    final only at its bucket's schedule `sync`, not at its first hook."""
 
     def __init__(
         self,
@@ -45,17 +49,17 @@ class GradSync:
         world_size: int,
         buckets: Sequence[Bucket],
         *,
-        rank0_only: Sequence[str] = (),
+        alone: Sequence[str] = (),
         world: Sequence[str] = (),
+        to_rank_zero: Mapping[int, Sequence[str]] | None = None,
         uses: Mapping[str, int] | None = None,
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.params = params
         self.messages = messages
         self.world_size = world_size
-        self._assign(
-            [Bucket(b.index, b.width, tuple(b.params)) for b in buckets], list(rank0_only), list(world)
-        )
+        self._assign([Bucket(b.index, b.ranks, tuple(b.params)) for b in buckets], list(alone), list(world))
+        self._to_rank_zero = {peer: list(names) for peer, names in (to_rank_zero or {}).items()}
         self.waiting = waiting
         self.outside: set[str] = set()
         self._uses = dict(uses or {})
@@ -69,15 +73,36 @@ class GradSync:
         self._missing: list[int] = []
         self._next = 0
         self._pending: list[tuple[Posted | None, torch.Tensor, list[tuple[str, torch.Tensor | None]]]] = []
+        self._synced: set[str] = set()  # reduced since the last sync: what moves to rank 0
         self._hooks: dict[str, Any] = {}
         self._unhooked = list(params)  # the parameters without hooks yet: frozen so far
         self.track_new_parameters()
 
-    def _assign(self, buckets: list[Bucket], rank0_only: list[str], world: list[str]) -> None:
+    @classmethod
+    def for_schedule(
+        cls,
+        schedule: Schedule,
+        params: Mapping[str, nn.Parameter],
+        messages: Messages,
+        rank: int,
+        **options: Any,
+    ) -> GradSync:
+        """This rank's part of `schedule`'s synchronisation (`options`: the other keywords)."""
+        return cls(
+            params,
+            messages,
+            schedule.world_size,
+            [bucket for bucket in schedule.buckets if rank in bucket.ranks],
+            alone=[name for name, ranks in schedule.param_ranks.items() if ranks == (rank,)],
+            to_rank_zero=schedule.to_rank_zero(rank),
+            **options,
+        )
+
+    def _assign(self, buckets: list[Bucket], alone: list[str], world: list[str]) -> None:
         """Which parameters are reduced where, and the lookups derived from it."""
-        self.buckets, self.rank0_only, self.world = buckets, rank0_only, world
+        self.buckets, self.alone, self.world = buckets, alone, world
         self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
-        self._owned = {*self._bucket_of, *world, *rank0_only}
+        self._owned = {*self._bucket_of, *world, *alone}
         self._storage: dict[int, torch.Tensor] = {}  # per bucket position: its gradients' flat storage
         self._expected: dict[bool, list[int]] = {}  # `arm`'s counts per bucket, by its `once`
 
@@ -167,7 +192,7 @@ class GradSync:
 
     def _launch_next(self) -> None:
         bucket = self.buckets[self._next]
-        self._reduce(list(bucket.params), bucket.width, self._next)
+        self._reduce(list(bucket.params), bucket.ranks, self._next)
         self._next += 1
 
     # ---------------------------------------------------------------------------------- syncing
@@ -183,14 +208,15 @@ class GradSync:
                 "step. Use every parameter the same way from the first training step on"
             )
         for position, bucket in enumerate(self.buckets):
-            self._reduce([n for n in bucket.params if n in chosen], bucket.width, position)
-        self._reduce([n for n in self.world if n in chosen], self.world_size)
-        for name in self.rank0_only:
+            self._reduce([n for n in bucket.params if n in chosen], bucket.ranks, position)
+        self._reduce([n for n in self.world if n in chosen], range(self.world_size))
+        for name in self.alone:
             if name in chosen:
                 self._divide(name)
         self._finish()
+        self._move_to_rank_zero()
 
-    def _reduce(self, names: list[str], width: int, position: int | None = None) -> None:
+    def _reduce(self, names: list[str], ranks: Sequence[int], position: int | None = None) -> None:
         names = [n for n in names if n in self._fresh]
         if not names:
             return
@@ -200,7 +226,7 @@ class GradSync:
         else:
             parts = [(name, None) for name in names]
         flat.div_(self.world_size)
-        work = self.messages.sum(flat, range(width), self.waiting) if width > 1 else None
+        work = self.messages.sum(flat, ranks, self.waiting) if len(ranks) > 1 else None
         self._fresh.difference_update(names)
         self._in_flight.update(names)
         self._pending.append((work, flat, parts))
@@ -260,6 +286,7 @@ class GradSync:
             p.grad.sub_(aside).div_(self.world_size).add_(aside)
         self._fresh.discard(name)
         self._reduced.add(name)
+        self._synced.add(name)
 
     def _finish(self) -> None:
         for work, flat, parts in self._pending:
@@ -269,6 +296,7 @@ class GradSync:
             names = [name for name, _ in parts]
             self._in_flight.difference_update(names)
             self._reduced.update(names)
+            self._synced.update(names)
             first = self.params[names[0]].grad
             if first is not None and first.data_ptr() == flat.data_ptr():
                 continue  # the bucket's storage or a lone gradient: reduced where the gradients lie
@@ -285,15 +313,56 @@ class GradSync:
                 offset += n
         self._pending.clear()
 
+    def _move_to_rank_zero(self) -> None:
+        """Each sender's gradients reduced in this sync go to rank 0, in one message per sender: every
+        gradient of its list in one dtype that holds them all, zeros where it was not reduced, then
+        one flag per gradient (1: reduced); rank 0 takes the flagged ones as its gradients."""
+        synced, self._synced = self._synced, set()
+        if not self._to_rank_zero:
+            return
+        outgoing, incoming = {}, {}
+        for peer, names in self._to_rank_zero.items():
+            params = [self.params[name] for name in names]
+            dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
+            size = sum(p.numel() for p in params) + len(params)
+            if peer == 0:
+                grads = [p.grad if n in synced else None for n, p in zip(names, params)]
+                parts = [
+                    p.new_zeros(p.numel()) if g is None else g.reshape(-1) for p, g in zip(params, grads)
+                ]
+                flags = [float(g is not None) for g in grads]
+                outgoing[peer] = torch.cat(
+                    [*(t.to(dtype) for t in parts), params[0].new_tensor(flags, dtype=dtype)]
+                )
+            else:
+                incoming[peer] = params[0].new_empty(size, dtype=dtype)
+        posted = self.messages.post(outgoing, incoming)
+        with self.waiting():
+            posted.wait()
+        for peer, flat in incoming.items():
+            names = self._to_rank_zero[peer]
+            flags = flat[-len(names) :].tolist()
+            offset = 0
+            for name, flag in zip(names, flags):
+                p = self.params[name]
+                received = flat[offset : offset + p.numel()].view_as(p)
+                if flag and p.grad is not None:
+                    p.grad.copy_(received)
+                elif flag:
+                    p.grad = received.to(p.dtype, copy=True)
+                offset += p.numel()
+
     def reduce_over_world(self, names: Collection[str]) -> None:
         """From now on reduce these parameters over every rank: they are used outside the planned
         forward too, so every rank contributes to their gradients."""
         chosen = set(names)
         self._assign(
-            [Bucket(b.index, b.width, tuple(n for n in b.params if n not in chosen)) for b in self.buckets],
-            [n for n in self.rank0_only if n not in chosen],
+            [Bucket(b.index, b.ranks, tuple(n for n in b.params if n not in chosen)) for b in self.buckets],
+            [n for n in self.alone if n not in chosen],
             self.world + [n for n in names if n not in self.world],
         )
+        moving = {peer: [n for n in names if n not in chosen] for peer, names in self._to_rank_zero.items()}
+        self._to_rank_zero = {peer: names for peer, names in moving.items() if names}
 
     def drop(self, names: Collection[str]) -> None:
         """Forget gradients of parameters this rank does not hold (never reduced here)."""

@@ -1,6 +1,6 @@
 """The burst-parallel runtime: a thin interpreter of a `Schedule`, one handler per action kind.
 
-Forward runs each stage on ranks 0..width-1 with its inputs detached, so autograd never crosses a
+Forward runs each stage on its ranks with its inputs detached, so autograd never crosses a
 stage boundary. The model's outputs come back to the ranks that hold their samples through one
 autograd node whose backward walks the schedule's backward list: the same order on every rank. That
 node also returns the gradients of the forward's tensor arguments when they require grad (trainable
@@ -194,7 +194,7 @@ class BurstRuntime:
 
     def _forward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
-        if self.rank >= stage.width:
+        if self.rank not in stage.ranks:
             return
         samples = step.layout(stage.placement).samples(self.rank)
         values = {value: self._stage_input(step, value, stage.placement) for value in stage.inputs}
@@ -368,7 +368,7 @@ class BurstRuntime:
 
     def _backward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
-        if self.rank >= stage.width:
+        if self.rank not in stage.ranks:
             return
         tensors, grads = [], []
         for name, value in step.outputs[stage.index].items():

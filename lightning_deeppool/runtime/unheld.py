@@ -124,14 +124,14 @@ class UnheldGradients:
     def __init__(
         self,
         params: Mapping[str, nn.Parameter],
-        widths: Mapping[str, int],
+        owners: Mapping[str, Sequence[int]],
         *,
         rank: int,
         world_size: int,
         device: torch.device,
     ) -> None:
         self.params = params
-        self.widths = widths
+        self.owners = owners
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -139,8 +139,8 @@ class UnheldGradients:
     def publish(self) -> None:
         """Rank 0 sends the 2-norm of every gradient some rank does not hold (NaN where it has none);
         each rank that does not hold one puts its `Unheld` in place. Collective."""
-        widths = self.widths
-        narrow = sorted(name for name, width in widths.items() if width < self.world_size)
+        owners = self.owners
+        narrow = sorted(name for name, ranks in owners.items() if len(ranks) < self.world_size)
         if not narrow:
             return
         norms = torch.full((len(narrow),), float("nan"), dtype=torch.float64, device=self.device)
@@ -151,11 +151,13 @@ class UnheldGradients:
                 found = _norms([grads[i] for i in present])  # type: ignore[misc]
                 norms[present] = torch.stack([n.to(self.device, torch.float64) for n in found])
         dist.broadcast(norms, src=0)
-        self._install(narrow, norms.tolist(), widths)
+        self._install(narrow, norms.tolist(), owners)
 
-    def _install(self, narrow: Sequence[str], norms: Sequence[float], widths: Mapping[str, int]) -> None:
+    def _install(
+        self, narrow: Sequence[str], norms: Sequence[float], owners: Mapping[str, Sequence[int]]
+    ) -> None:
         for name, norm in zip(narrow, norms):
-            if self.rank < widths[name]:
+            if self.rank in owners[name]:
                 continue
             p = self.params[name]
             p.grad = None if norm != norm else Unheld(p, name, self.rank, norm)  # NaN: no gradient

@@ -86,6 +86,9 @@ class DeepPoolStrategy(DDPStrategy):
             ``True`` with its defaults, or a mapping of its keyword arguments (``{"mode":
             "reduce-overhead"}`` replays each layer as a CUDA graph on GPUs). A model given to ``fit``
             compiled, or a compiled submodule, keeps its own compiler for its layers.
+        branches: the automatic plan may run independent branches (an Inception block's, a two-tower
+            model's towers) side by side on disjoint sets of devices; ``False`` keeps every layer on
+            devices 0..width-1. A pin ``{"text": {"ranks": [2, 3]}}`` places a module on chosen ranks.
     """
 
     strategy_name = "deeppool"
@@ -107,6 +110,7 @@ class DeepPoolStrategy(DDPStrategy):
         shared_batch: bool = False,
         check_every_n_steps: int = 100,
         compile_layers: bool | Mapping[str, Any] = False,
+        branches: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -152,6 +156,7 @@ class DeepPoolStrategy(DDPStrategy):
             memory_budget_bytes=memory_budget_bytes,
             bucket_bytes=int(bucket_mb * 2**20),
             shared_batch=shared_batch,
+            branches=branches,
         )
         self.module_name = module
         self.idle_windows = IdleWindows()
