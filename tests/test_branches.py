@@ -152,13 +152,13 @@ def test_branches_sharing_rank_zero_run_one_after_the_other():
     assert step.total_s == step.serial_s
 
 
-def test_a_layer_off_rank_zero_sends_its_summed_gradients_to_rank_zero():
+def test_a_layer_off_rank_zero_sends_its_summed_gradients_to_rank_zero_as_a_two_device_all_reduce():
     big = layer("fc", ["x"], params=1_000_000)
-    allreduce = SLOW_LINK.allreduce_time(2, 4_000_000)
-    assert cost.sync_time(SLOW_LINK, big, Placement(2)) == allreduce
-    assert cost.sync_time(SLOW_LINK, big, Placement(2, 1, 2)) == allreduce + SLOW_LINK.redistribute_time(
-        4_000_000
-    )
+    among_two = SLOW_LINK.allreduce_time(2, 4_000_000)
+    assert cost.sync_time(SLOW_LINK, big, Placement(1)) == 0.0
+    assert cost.sync_time(SLOW_LINK, big, Placement(1, 1, 3)) == among_two
+    assert cost.sync_time(SLOW_LINK, big, Placement(2)) == among_two
+    assert cost.sync_time(SLOW_LINK, big, Placement(2, 1, 2)) == 2 * among_two
 
 
 def test_moving_a_value_between_disjoint_halves_moves_every_sample():

@@ -66,6 +66,31 @@ def test_forward_sends_each_value_once_per_new_width_before_its_first_use():
     ]
 
 
+TOWERS = LayerGraph(
+    inputs=(GraphInput("x", 16), GraphInput("y", 16)),
+    layers=(
+        Layer("a", "call_module", "a", ("x",), 16, 4, 16),
+        Layer("b", "call_module", "b", ("y",), 16, 4, 16),
+        Layer("join", "call_function", "add", ("a", "b"), 16),
+    ),
+    outputs=("join",),
+)
+
+
+def test_a_branch_on_other_ranks_gets_its_inputs_before_the_branch_beside_it_computes():
+    placements = {"a": Placement(1), "b": Placement(1, 1, 1), "join": Placement(2)}
+    schedule = build_schedule(TOWERS, placements, {"a": ["a.w"], "b": ["b.w"]}, {"a.w": 16, "b.w": 16}, 2)
+    assert [str(a) for a in schedule.forward] == [
+        "send:x:2>1",
+        "send:y:2>1@1",
+        "forward0",
+        "forward1",
+        "send:a:1>2",
+        "send:b:1@1>2",
+        "forward2",
+    ]
+
+
 def test_backward_returns_every_sent_gradient_after_the_stage_that_read_it():
     backward = [str(a) for a in _schedule(MIXED, 3).backward]
     assert backward == [

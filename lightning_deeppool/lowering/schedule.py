@@ -138,10 +138,13 @@ def build_stages(graph: LayerGraph, given: Mapping[str, Placement | int]) -> tup
 
 
 def lower_forward(graph: LayerGraph, stages: Sequence[Stage], world_size: int) -> list[Action]:
-    """Stage computations with a `send` before each first use of a value at another placement."""
+    """Stage computations with a `send` before each first use of a value at another placement. The
+    inputs of a later stage on ranks disjoint from a stage's (a branch beside it) that are ready move
+    before that stage computes, so the other branch's ranks do not wait for it."""
     home = Placement(world_size)
     placements = {name: stage.placement for stage in stages for name in stage.layers}
-    available = {(name, home) for name in (i.name for i in graph.inputs)}
+    produced = {name: -1 for name in (i.name for i in graph.inputs)}  # value -> its stage (-1: input)
+    available = {(name, home) for name in produced}
     actions: list[Action] = []
 
     def need(value: str, placement: Placement) -> None:
@@ -154,7 +157,13 @@ def lower_forward(graph: LayerGraph, stages: Sequence[Stage], world_size: int) -
     for stage in stages:
         for value in stage.inputs:
             need(value, stage.placement)
+        for later in stages[stage.index + 1 :]:
+            if later.ranks.stop <= stage.ranks.start or stage.ranks.stop <= later.ranks.start:
+                for value in later.inputs:
+                    if produced.get(value, stage.index) < stage.index:
+                        need(value, later.placement)
         actions.append(Action("forward", stage.index))
+        produced.update(dict.fromkeys(stage.layers, stage.index))
     for value in graph.outputs:
         need(value, home)
     return actions

@@ -171,8 +171,9 @@ def sync_time(comm: CommProfile, layer: Layer, width: int | Placement) -> float:
 
 def to_rank_zero_time(comm: CommProfile, placement: Placement, nbytes: float) -> float:
     """Seconds to send `nbytes` of summed gradients to rank 0, which holds every parameter, from a layer
-    at `placement` that rank 0 does not run (0 where it does)."""
-    return comm.redistribute_time(nbytes) if placement.first > 0 else 0.0
+    at `placement` that rank 0 does not run (0 where it does): what all-reducing them between two
+    devices costs, which moves as many bytes each way, of gradients written afresh as these are."""
+    return comm.allreduce_time(2, nbytes) if placement.first > 0 else 0.0
 
 
 def synced_bytes(graph: LayerGraph, widths: Mapping[str, int]) -> dict[str, int]:
@@ -409,7 +410,8 @@ def scheduled_step(
     rest. A bucket's all-reduce (`allreduce` seconds of its layers) runs on its ranks' links once the
     bucket before it on those links is done and, with `overlap`, its last layer's backward (without,
     once its ranks' backward is over); the rest of its layers' sync, the message to rank 0, then
-    occupies rank 0's link and the first of the bucket's ranks. Where every layer starts at rank 0 this
+    occupies rank 0's link and the first of the bucket's ranks (without `overlap`, once rank 0's
+    backward is over too). Where every layer starts at rank 0 this
     is the serial step less `hidden_sync`'s seconds (or the serial step, without `overlap`).
     """
     busy = np.zeros(world_size)  # when each rank's compute is next free
@@ -441,7 +443,9 @@ def scheduled_step(
         rest = sum(layers[name].sync_s - allreduce[name] for name in bucket)
         if rest > 0:
             pair = [0, placement.first]
-            link[pair] = max(float(link[pair].max()), end) + rest
+            # Without overlap rank 0 takes the message once its own backward is over.
+            start = max(float(link[pair].max()), end, 0.0 if overlap else float(busy[0]))
+            link[pair] = start + rest
     return float(max(busy.max(), link.max()))
 
 
