@@ -50,7 +50,7 @@ class PlanOptions:
     """How the strategy plans (its constructor's planning arguments)."""
 
     amplification_limit: float
-    plan_source: str | Path | dict[str, int] | None
+    plan_source: str | Path | dict[str, int | Mapping[str, Any]] | None
     save_plan: str | Path | None
     leaf_modules: tuple[str, ...]
     granularity: str

@@ -1,12 +1,14 @@
-"""Collectives issued from Lightning hooks while a plan with narrow layers is installed: the same ones
-on every rank complete, in any hook; ones some ranks skip, or issue in another order around a model
-call, stop every rank with an error naming the hook, instead of hanging."""
+"""Collectives issued from Lightning hooks while a plan is installed: the same ones on every rank
+complete, in any hook; ones some ranks skip (under a plan with narrow layers or a data-parallel one),
+or issue in another order around a model call, stop every rank with an error naming the hook, instead
+of hanging."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -71,6 +73,13 @@ class RankZeroLogsAfterTheStep(MLP):
             self.log("rank_zero_only_metric", torch.tensor(1.0), sync_dist=True)
 
 
+class RankZeroLogsInTheStep(MLP):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 0:
+            self.log("rank_zero_only_metric", torch.tensor(1.0), sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
 class LogsOnOppositeSidesOfTheCall(MLP):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == 0:
@@ -81,11 +90,15 @@ class LogsOnOppositeSidesOfTheCall(MLP):
         return loss
 
 
-def _fit(model: MLP, world: int, root: str) -> pl.Trainer:
+NARROW = {"head": 1}  # pins besides {"": world}: the head on rank 0 alone
+DATA_PARALLEL: dict[str, int] = {}
+
+
+def _fit(model: MLP, world: int, root: str, pins: dict[str, int] = NARROW) -> pl.Trainer:
     torch.manual_seed(0)
     pl.seed_everything(SEED, verbose=False)
     strategy = DeepPoolStrategy(
-        plan={"": world, "head": 1}, cache_dir=False, profile_warmup=0, profile_repeats=1
+        plan={"": world, **pins}, cache_dir=False, profile_warmup=0, profile_repeats=1
     )
     trainer = pl.Trainer(
         **trainer_kwargs(devices=world, strategy=strategy, max_steps=STEPS, default_root_dir=root)
@@ -128,11 +141,11 @@ def test_the_same_collectives_from_every_hook_complete_and_train_like_one_device
     assert all(value == 1.0 for value in ranks[0]["logged"].values())  # 0 + 1, summed over the ranks
 
 
-def _mismatched(rank: int, world: int, root: str, model: type[MLP]) -> str:
+def _mismatched(rank: int, world: int, root: str, model: type[MLP], pins: dict[str, int] = NARROW) -> str:
     join_lightning_world(rank, world)
     torch.manual_seed(0)
     try:
-        _fit(model(), world, root)
+        _fit(model(), world, root, pins)
     except Exception as err:
         return "\n".join([str(err), *getattr(err, "__notes__", [])])
     return "trained"
@@ -142,6 +155,21 @@ def test_a_collective_some_ranks_skip_stops_every_rank_naming_it(tmp_path):
     found = run_distributed(_mismatched, 2, 2, str(tmp_path), RankZeroLogsAfterTheStep, timeout_s=120)
     for message in found:
         assert "different collectives" in message and "on_train_batch_end (reduce)" in message, found
+
+
+@pytest.mark.parametrize(
+    ("model", "hook"),
+    [
+        (RankZeroLogsAfterTheStep, "on_train_batch_end (reduce)"),
+        (RankZeroLogsInTheStep, "training_step (reduce)"),
+    ],
+)
+def test_under_a_data_parallel_plan_a_collective_some_ranks_skip_stops_every_rank_naming_it(
+    tmp_path, model, hook
+):
+    found = run_distributed(_mismatched, 2, 2, str(tmp_path), model, DATA_PARALLEL, timeout_s=120)
+    for message in found:
+        assert "different collectives" in message and hook in message, found
 
 
 def test_calls_on_opposite_sides_of_a_collective_stop_every_rank_naming_it(tmp_path):

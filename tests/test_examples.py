@@ -5,8 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonargparse
 import pytest
 
+from lightning_deeppool import DeepPoolStrategy
 from lightning_deeppool.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +59,14 @@ def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):
     plan = tmp_path / "outputs" / "cli" / "deeppool_plan.json"
     assert "predicted step time" in out and plan.exists()
     assert Plan.load(plan).width("head") == 1  # pinned in the YAML
+
+
+def test_a_lightningcli_config_may_pin_modules_to_widths_splits_and_ranks():
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(DeepPoolStrategy, "strategy")
+    pins = {"": 2, "encoder": {"width": 2, "spatial": 2}, "text": {"ranks": [1]}}
+    config = parser.parse_object({"strategy": {"plan": pins, "branches": False}})
+    assert config.strategy.plan == pins and config.strategy.branches is False
 
 
 def test_readme_shows_the_test_command_ci_runs():

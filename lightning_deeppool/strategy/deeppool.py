@@ -53,7 +53,7 @@ from lightning_deeppool.strategy.patches import (
 from lightning_deeppool.strategy.session import Fit, PlanSession
 from lightning_deeppool.strategy.step_times import summary
 
-PlanSource = str | Path | Mapping[str, int] | None
+PlanSource = str | Path | Mapping[str, int | Mapping[str, Any]] | None
 
 
 class DeepPoolStrategy(DDPStrategy):
@@ -63,7 +63,8 @@ class DeepPoolStrategy(DDPStrategy):
         amplification_limit: a layer may use at most this many times the device-time it needs on one
             device (``time(w) * w <= limit * time(1)``); ``float("inf")`` disables the limit.
         plan: ``None`` plans automatically; a path loads a plan file; a mapping of module-name
-            prefixes to widths pins those layers (``{"classifier": 1}``; ``""`` pins all).
+            prefixes to placements pins those layers: a width (``{"classifier": 1}``; ``""`` pins
+            all), ``{"width": 4, "spatial": 2}`` (samples split by height) or ``{"ranks": [2, 3]}``.
         save_plan: where rank 0 writes the plan (default: ``<log_dir>/deeppool_plan.json``).
         module: name of the submodule whose forward is planned (default: the LightningModule).
         leaf_modules: submodules planned as single layers and run as Python at every step (for code
@@ -88,7 +89,7 @@ class DeepPoolStrategy(DDPStrategy):
             compiled, or a compiled submodule, keeps its own compiler for its layers.
         branches: the automatic plan may run independent branches (an Inception block's, a two-tower
             model's towers) side by side on disjoint sets of devices; ``False`` keeps every layer on
-            devices 0..width-1. A pin ``{"text": {"ranks": [2, 3]}}`` places a module on chosen ranks.
+            devices 0..width-1.
     """
 
     strategy_name = "deeppool"
@@ -424,7 +425,7 @@ class DeepPoolStrategy(DDPStrategy):
     def _between_steps(self, broadcast: Callable[[], None]) -> None:
         """Lightning's wait for rank 0 before each step (`broadcast`: rank 0's SIGTERM flag): idle time,
         and a collective every rank issues. Where the ranks meet, the flag travels with the meeting."""
-        agreement = self._calls.meeting if self._calls is not None else None
+        agreement = self._calls.agreement if self._calls is not None else None
         with self.idle_windows.window("between_steps"):
             if agreement is None:
                 with self._collective("broadcast", hook="between steps"):
@@ -441,7 +442,7 @@ class DeepPoolStrategy(DDPStrategy):
         issued it. Where the ranks meet (`CallAgreement`), they first check every rank issues this one."""
         hook = hook or getattr(self.lightning_module, "_current_fx_name", None) or "Lightning"
         hook = f"{hook} ({issued})"
-        agreement = self._calls.meeting if self._calls is not None else None
+        agreement = self._calls.agreement if self._calls is not None else None
         if agreement is not None:
             agreement.before_collective(hook)
         try:

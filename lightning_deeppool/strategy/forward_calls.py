@@ -7,8 +7,10 @@ layers it runs, so it refuses such a call once its other layers are stale (until
 of fit refreshes them), and refuses to backpropagate through one into layers it does not hold.
 
 A data-parallel plan (every layer on every rank) runs as DDP does once installed: every call is the
-module's own forward on this rank's samples (compiled, where the layers would have been), with nothing
-to agree on, and the gradient buckets launch from the backward's own accumulation hooks.
+module's own forward on this rank's samples (compiled, where the layers would have been), with no call
+to agree on, and the gradient buckets launch from the backward's own accumulation hooks. The ranks
+still meet where each step ends and before Lightning's collectives, so that one some ranks skip stops
+every rank rather than hanging.
 """
 
 from __future__ import annotations
@@ -88,24 +90,19 @@ class ForwardCalls:
                     t.register_hook(lambda _: reached())
         return outputs
 
-    @property
-    def meeting(self) -> CallAgreement | None:
-        """The agreement this step's calls meet in: none alone, or under a data-parallel plan."""
-        installation = self.session.installed
-        return None if installation is not None and installation.data_parallel else self.agreement
-
     @contextmanager
     def training_step(self) -> Iterator[None]:
-        meeting = self.meeting
-        if meeting is not None:
-            meeting.begin_step()
+        """The ranks meet where each training step ends, under every plan: a collective some rank
+        issued in the step and another did not stops every rank there, before the gradients' sums."""
+        if self.agreement is not None:
+            self.agreement.begin_step()
         self.in_training_step = True
         try:
             yield
         finally:
             self.in_training_step = False
-        if meeting is not None:  # not after a failure: the others may be meeting elsewhere, or gone
-            meeting.end_step()
+        if self.agreement is not None:  # not after a failure: the others may be meeting elsewhere, or gone
+            self.agreement.end_step()
 
     # ---------------------------------------------------------------------------------- calls
     def _planned(
