@@ -77,12 +77,18 @@ def _package_site() -> str | None:
     return "/".join(Path(frame.f_code.co_filename).parts[-2:])
 
 
-def _steady_steps(rank: int) -> tuple[dict[str, int], float, dict[str, int]]:
+def _steady_steps(rank: int, root: str) -> tuple[dict[str, int], float, dict[str, int]]:
     join_lightning_world(rank, 2)
     counted = _Counted()
     strategy = DeepPoolStrategy(plan={"": 2, "head": 1}, cache_dir=False, profile_warmup=0, profile_repeats=1)
     trainer = pl.Trainer(
-        **trainer_kwargs(devices=2, strategy=strategy, max_steps=WARMUP + COUNTED + 1, callbacks=[counted])
+        **trainer_kwargs(
+            devices=2,
+            strategy=strategy,
+            max_steps=WARMUP + COUNTED + 1,
+            callbacks=[counted],
+            default_root_dir=root,
+        )
     )
     torch.manual_seed(0)
     trainer.fit(MLP(), DataLoader(images(64), batch_size=4))
@@ -90,8 +96,8 @@ def _steady_steps(rank: int) -> tuple[dict[str, int], float, dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def steady() -> list[tuple[dict[str, int], float, dict[str, int]]]:
-    return run_distributed(_steady_steps, 2)
+def steady(tmp_path_factory) -> list[tuple[dict[str, int], float, dict[str, int]]]:
+    return run_distributed(_steady_steps, 2, str(tmp_path_factory.mktemp("host_cost")))
 
 
 def test_a_steady_step_under_a_narrow_plan_makes_no_store_round_trip(steady):

@@ -4,9 +4,10 @@ A layout is a list of per-rank sample counts over the whole world; rank r holds 
 global samples starting at the sum of the counts before it. A layer of width w holds the global
 batch split as evenly as possible over ranks 0..w-1 (earlier ranks take the remainder).
 
-With spatial splits (`Placement`, `Layout`), a layer of width w and spatial s holds the batch in w / s
-sample groups, each group's samples split by height over its s ranks; `pieces` is what moves between
-two such layouts, rows included.
+With spatial splits and first ranks (`Placement`, `Layout`), a layer of width w and spatial s holds the
+batch in w / s sample groups, each group's samples split by height over its s ranks, from rank `first`
+on (a branch beside another runs on ranks of its own); `pieces` is what moves between two such
+layouts, rows included.
 """
 
 from __future__ import annotations
