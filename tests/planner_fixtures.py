@@ -172,11 +172,13 @@ def brute_force(
                 own[w] += cost.transfer_time(profile.comm, item.sample_bytes, w, size, **sizes)
         total += own[combos[:, k]]
     for producer, consumer in cost.edges(graph):
-        nbytes = graph.value_sample_bytes(producer)
+        nbytes, directions = graph.value_sample_bytes(producer), cost.move_directions(graph, producer)
         table = np.array(
             [
                 [
-                    cost.transfer_time(profile.comm, nbytes, a, b, **sizes) if a and b else 0.0
+                    cost.transfer_time(profile.comm, nbytes, a, b, **sizes, directions=directions)
+                    if a and b
+                    else 0.0
                     for b in range(size + 1)
                 ]
                 for a in range(size + 1)

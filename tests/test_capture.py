@@ -138,6 +138,14 @@ def test_a_loss_computed_inside_forward_is_a_per_rank_layer():
     assert not any(layer.per_rank for layer in graph.layers[:-1])
 
 
+def test_graph_inputs_say_whether_the_example_batch_requires_grad():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    data = capture_graph(model, (torch.randn(3, 4),)).graph.inputs
+    graded = capture_graph(model, (torch.randn(3, 4, requires_grad=True),)).graph.inputs
+    assert [i.requires_grad for i in data] == [False]
+    assert [i.requires_grad for i in graded] == [True]
+
+
 def test_an_argument_passed_twice_is_captured_as_two_inputs():
     torch.manual_seed(0)
     model = GPT2()

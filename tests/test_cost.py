@@ -134,8 +134,29 @@ def test_input_edges_are_charged_to_the_consumer_and_output_return_to_the_produc
     graph = chain(2, sample_bytes=1000)
     profile = linear_profile(graph, {"l0": (1e-3, 0), "l1": (1e-3, 0)}, max_batch=10)
     step = cost.evaluate(graph, profile, {"l0": 2, "l1": 2}, **SIZES)
-    assert step.layers["l0"].transfer_s == pytest.approx(cost.transfer_time(SLOW_LINK, 4096, 4, 2, **SIZES))
+    into = cost.transfer_time(SLOW_LINK, 4096, 4, 2, **SIZES, directions=1)
+    assert step.layers["l0"].transfer_s == pytest.approx(into)
     assert step.layers["l1"].transfer_s == pytest.approx(cost.transfer_time(SLOW_LINK, 1000, 2, 4, **SIZES))
+
+
+def test_a_batch_input_moves_forward_only_and_one_that_requires_grad_both_ways():
+    graph = chain(1)
+    profile = linear_profile(graph, {"l0": (1e-3, 0)}, max_batch=10)
+    data = cost.evaluate(graph, profile, {"l0": 2}, **SIZES).layers["l0"].transfer_s
+    inputs = (dataclasses.replace(graph.inputs[0], requires_grad=True),)
+    graded = dataclasses.replace(graph, inputs=inputs)
+    both = cost.evaluate(graded, profile, {"l0": 2}, **SIZES).layers["l0"].transfer_s
+    returned = cost.transfer_time(SLOW_LINK, 4096, 2, 4, **SIZES)  # l0's output back to width 4
+    assert data - returned == pytest.approx(cost.transfer_time(SLOW_LINK, 4096, 4, 2, **SIZES) / 2)
+    assert both - returned == pytest.approx(cost.transfer_time(SLOW_LINK, 4096, 4, 2, **SIZES))
+
+
+def test_an_input_that_requires_grad_round_trips_through_json_and_others_keep_their_fingerprint():
+    graph = chain(1)
+    graded = dataclasses.replace(graph, inputs=(dataclasses.replace(graph.inputs[0], requires_grad=True),))
+    assert LayerGraph.from_dict(graded.to_dict()) == graded
+    assert "requires_grad" not in graph.to_dict()["inputs"][0]
+    assert graded.fingerprint != graph.fingerprint
 
 
 def test_every_consumer_pays_for_its_own_edge():

@@ -110,10 +110,18 @@ def _capture(
         constants=tuple(trace.constants),
         names=tuple(trace.leaf_names),
     )
-    captured = cut_into_layers(trace, call, granularity)
+    captured = _with_input_grads(cut_into_layers(trace, call, granularity), call, mapping)
     check_replay(captured, module, mapping)
     check_per_sample(captured, module, mapping)
     return captured
+
+
+def _with_input_grads(captured: CapturedGraph, call: CallSignature, mapping: dict[str, Any]) -> CapturedGraph:
+    """`captured` with its graph inputs marked where the example batch's tensor requires grad."""
+    leaves = pytree.tree_leaves(mapping)
+    grads = {name for name, leaf in zip(call.names, leaves) if getattr(leaf, "requires_grad", False)}
+    inputs = tuple(dataclasses.replace(i, requires_grad=i.name in grads) for i in captured.graph.inputs)
+    return dataclasses.replace(captured, graph=dataclasses.replace(captured.graph, inputs=inputs))
 
 
 def _trace(module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str]) -> Trace:

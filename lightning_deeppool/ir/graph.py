@@ -16,10 +16,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class GraphInput:
-    """A forward argument: its name and its bytes per sample."""
+    """A forward argument: its name, its bytes per sample and whether it requires grad (its moves
+    between ranks then run in backward too; a batch's data does not)."""
 
     name: str
     sample_bytes: int
+    requires_grad: bool = False
 
     def __post_init__(self) -> None:
         if self.sample_bytes < 0:
@@ -155,7 +157,7 @@ class LayerGraph:
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
-            "inputs": [asdict(i) for i in self.inputs],
+            "inputs": [_input_dict(i) for i in self.inputs],
             "layers": [_layer_dict(layer) for layer in self.layers],
             "outputs": list(self.outputs),
         }
@@ -179,6 +181,13 @@ _SIZES = ("sample_bytes", "height", "halo_bytes")  # a layer's fields that follo
 def under(path: str, prefix: str) -> bool:
     """Whether module `path` is `prefix` or inside it (``""`` holds every path)."""
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def _input_dict(graph_input: GraphInput) -> dict[str, Any]:
+    data = asdict(graph_input)
+    if not graph_input.requires_grad:
+        del data["requires_grad"]  # the common case keeps files and fingerprints as they were
+    return data
 
 
 def _layer_dict(layer: Layer) -> dict[str, Any]:

@@ -207,8 +207,10 @@ def transfer_time(
     world_size: int,
     global_batch_size: int,
     rows: int = 0,
+    directions: int = DIRECTIONS,
 ) -> float:
-    """Seconds to redistribute one value between two placements, forward and backward (0 if equal).
+    """Seconds to redistribute one value between two placements, forward and backward (`directions`
+    1: forward only, for a value without gradient; 0 if the placements are equal).
 
     Between widths the busiest rank's whole samples (`busiest_samples`); where either side is split by
     height, its share of samples with rows as fractions (`busiest_shares`) of a value of `rows` rows,
@@ -222,7 +224,15 @@ def transfer_time(
         raise ValueError(f"moving a value between {src} and {dst} needs its rows (>= 1), got {rows}")
     share = _busiest_share(src, dst, rows if split else 1, world_size, global_batch_size)
     price = comm.halo_time if split else comm.redistribute_time
-    return DIRECTIONS * price(share * sample_bytes)
+    return directions * price(share * sample_bytes)
+
+
+def move_directions(graph: LayerGraph, value: str) -> int:
+    """How often a step moves `value` between placements: forward and backward, or forward only for a
+    graph input that does not require grad (a batch's data)."""
+    if graph.position(value) >= 0:
+        return DIRECTIONS
+    return next(DIRECTIONS if i.requires_grad else 1 for i in graph.inputs if i.name == value)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -319,6 +329,7 @@ def evaluate(
             world_size=world_size,
             global_batch_size=global_batch_size,
             rows=value_rows(graph, value, consumer),
+            directions=move_directions(graph, value),
         )
 
     synced = synced_bytes(graph, {name: placement.width for name, placement in placements.items()})

@@ -535,7 +535,8 @@ class _Tables:
                 if graph.position(name) >= 0:
                     layer_edges.append((name, matrix))
                 else:
-                    vector = vector + matrix[index[full]]
+                    directions = cost.move_directions(graph, name)
+                    vector = vector + matrix[index[full]] * directions / cost.DIRECTIONS
             if layer.name in outputs:
                 rows = cost.value_rows(graph, layer.name, None)
                 vector = vector + transfer.seconds(layer.sample_bytes, rows)[idx, index[full]]
