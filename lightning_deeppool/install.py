@@ -230,6 +230,7 @@ class InstalledPlan:
     # repr of per-sample shapes and dtypes -> the graph captured at them, its schedule and runtime
     _shapes: dict[str, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
+    _narrow: bool | None = None  # `narrow`, asked after every optimizer step: known until owners change
 
     @classmethod
     def build(
@@ -361,7 +362,9 @@ class InstalledPlan:
     @property
     def narrow(self) -> bool:
         """Whether some rank does not hold every parameter (the same on every rank)."""
-        return any(len(ranks) < dist.get_world_size() for ranks in self.owners.values())
+        if self._narrow is None:
+            self._narrow = any(len(ranks) < dist.get_world_size() for ranks in self.owners.values())
+        return self._narrow
 
     def poison_unheld(self, rank: int) -> None:
         """Fill the parameters `rank` does not hold with NaN: no rank keeps them current, so a read of
@@ -419,6 +422,7 @@ class InstalledPlan:
         self.grad_sync.reduce_over_world(outside)
         for name in outside:
             self.owners[name] = tuple(range(dist.get_world_size()))
+        self._narrow = None
         rank = dist.get_rank()
         self._original = {id(o): [p for g in o.param_groups for p in g["params"]] for o in optimizers}
         dropped = self.not_held(rank)

@@ -128,3 +128,38 @@ def test_owned_gradients_match_single_process_with_uneven_local_counts(errors, p
     for rank in ranks:
         owned = [v for k, v in rank[pattern].items() if "output" not in k and k != "input-grad"]
         assert max(owned, default=0.0) < 1e-5
+
+
+def _labels(rank: int) -> dict[str, list[str]]:
+    """The runtime's labels among the profiler's events: with a profiler recording a training step, and
+    with one started between the forward and its backward; and the schedule's actions."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    captured = capture_graph(Net(), (x,))
+    params = dict(captured.module.named_parameters())
+    sizes = {k: v.numel() * 4 for k, v in params.items()}
+    widths = {layer.name: 1 for layer in captured.graph.layers}
+    schedule = build_schedule(captured.graph, widths, captured.layer_params, sizes, 1)
+    grad_sync = GradSync.for_schedule(schedule, params, GroupMessages(None), rank)
+    runtime = BurstRuntime(captured, schedule, rank=rank, device=torch.device("cpu"), grad_sync=grad_sync)
+    with torch.profiler.profile() as recorded:
+        runtime.forward(x).sum().backward()
+    out = runtime.forward(x)
+    with torch.profiler.profile() as later:
+        out.sum().backward()
+
+    def labels(profile: torch.profiler.profile) -> list[str]:
+        return [e.name for e in profile.events() if e.name.startswith("deeppool:")]
+
+    return {
+        "recorded": labels(recorded),
+        "later": labels(later),
+        "forward": [f"deeppool:{a}" for a in schedule.forward],
+        "backward": [f"deeppool:{a}" for a in schedule.backward],
+    }
+
+
+def test_each_action_is_labelled_in_the_profiler_while_one_records():
+    [found] = run_distributed(_labels, 1)
+    assert found["recorded"] == found["forward"] + found["backward"]
+    assert found["later"] == found["backward"]  # the forward ran with no profiler: no labels

@@ -12,6 +12,7 @@ layouts, rows included.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -191,9 +192,10 @@ class Piece(NamedTuple):
     block: Block
 
 
-def pieces(src: Layout, dst: Layout, size: int) -> list[Piece]:
+@functools.lru_cache(maxsize=4096)
+def pieces(src: Layout, dst: Layout, size: int) -> tuple[Piece, ...]:
     """What moves going from layout `src` to `dst` for a value of `size` rows, sorted by (src, dst);
-    a rank keeps what it holds under both."""
+    a rank keeps what it holds under both. Cached: every step of a plan makes the same moves."""
     if sum(src.counts) != sum(dst.counts) or src.world_size != dst.world_size:
         raise ValueError(f"layouts {src} and {dst} do not describe the same batch")
     moves = []
@@ -203,7 +205,7 @@ def pieces(src: Layout, dst: Layout, size: int) -> list[Piece]:
             common = held.overlap(dst.block(d, size)) if s != d else None
             if common is not None:
                 moves.append(Piece(s, d, common))
-    return moves
+    return tuple(moves)
 
 
 def busiest_rank_share(src: Layout, dst: Layout, size: int) -> float:

@@ -50,7 +50,7 @@ class _CallState:
     leaves: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
-    _layouts: dict[Placement, Layout] = field(default_factory=dict)
+    _layouts: dict[Placement, Layout] = field(default_factory=dict)  # shared by calls of these counts
 
     def layout(self, placement: Placement) -> Layout:
         """Who holds what under `placement`; at the full width, the samples each rank brought."""
@@ -97,6 +97,7 @@ class BurstRuntime:
         self.running: Action | None = None  # the action a failure stopped the schedule at, if any
         self._last_pass = False
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
+        self._layouts: dict[tuple[int, ...], dict[Placement, Layout]] = {}  # per counts, as steps repeat
         self._handlers: dict[str, Callable[[_CallState, Action], None]] = {
             "forward": self._forward_stage,
             "send": self._send,
@@ -161,7 +162,13 @@ class BurstRuntime:
             batch = {name: keep_share(t, counts, self.rank) for name, t in batch.items()}
         self.grad_sync.track_new_parameters()
         step = _CallState(
-            counts, self._meta[key], torch.is_grad_enabled(), call.scalars, call.input_grads, whole
+            counts,
+            self._meta[key],
+            torch.is_grad_enabled(),
+            call.scalars,
+            call.input_grads,
+            whole,
+            _layouts=self._layouts.setdefault(counts, {}),
         )
         for name, value in batch.items():
             step.values[(name, self.home)] = value
@@ -185,10 +192,15 @@ class BurstRuntime:
         return meta
 
     def _run(self, step: _CallState, actions: Sequence[Action]) -> None:
+        # Labels only under a profiler: at microseconds of work per layer, making one costs as much.
+        profiling = torch.autograd._profiler_enabled()
         for action in actions:
             self.windows.enter(action)
             self.running = action
-            with torch.profiler.record_function(f"deeppool:{action}"):
+            if profiling:
+                with torch.profiler.record_function(f"deeppool:{action}"):
+                    self._handlers[action.kind](step, action)
+            else:
                 self._handlers[action.kind](step, action)
         self.running = None
 
