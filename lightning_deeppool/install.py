@@ -35,7 +35,7 @@ from lightning_deeppool.planner.plan import Plan, validate_plan
 from lightning_deeppool.planner.search import search
 from lightning_deeppool.profiling.cache import default_cache_dir
 from lightning_deeppool.profiling.on_ranks import profile_on_ranks
-from lightning_deeppool.runtime.call import SAME_SHAPES_IN_A_STEP
+from lightning_deeppool.runtime.call import shapes_digest
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import IdleWindows, ScheduleWindows
 from lightning_deeppool.runtime.runtime import BurstRuntime
@@ -92,7 +92,9 @@ def install(
     through `compiler` (the user compiled the LightningModule). Collective."""
     world_size = dist.get_world_size()
     # Before capture: a rank without samples cannot capture, and must fail with the others.
-    global_batch = _global_batch_size(args, kwargs, world_size, idle, options.shared_batch)
+    global_batch, same_shapes = _global_batch_size(args, kwargs, world_size, idle, options.shared_batch)
+    if not same_shapes:  # every rank captures and profiles at rank 0's shapes; the others come after
+        args, kwargs = _broadcast_call(args, kwargs, 0, device)
     captured = _capture(options, target, args, kwargs, compiler)
     if options.shared_batch:
         _check_shareable(captured)
@@ -127,9 +129,13 @@ def capture_shape(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     compiler: Compiler | None = None,
+    src: int | None = None,
 ) -> None:
-    """Capture `target`'s forward again on this call's batch, whose per-sample shapes no earlier capture
-    had, and run the installed plan on that graph from now on: not profiled or planned again. Collective."""
+    """Capture `target`'s forward again on this call's batch (rank `src`'s, if given), whose per-sample
+    shapes no earlier capture had, and run the installed plan on that graph from now on: not profiled or
+    planned again. Collective."""
+    if src is not None:
+        args, kwargs = _broadcast_call(args, kwargs, src, installed.runtime.device)
     captured = _capture(options, target, args, kwargs, compiler)
     on_every_rank(lambda: installed.add_shape(captured))
 
@@ -227,8 +233,9 @@ class InstalledPlan:
     bucket_bytes: int
     profile: Profile | None = None  # what planned it, where it was planned in this fit
     settled: bool = False
-    # repr of per-sample shapes and dtypes -> the graph captured at them, its schedule and runtime
-    _shapes: dict[str, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
+    # digest of per-sample shapes and dtypes (`shapes_digest`) -> the graph captured at them, its
+    # schedule and runtime
+    _shapes: dict[int, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
     _narrow: bool | None = None  # `narrow`, asked after every optimizer step: known until owners change
 
@@ -303,16 +310,21 @@ class InstalledPlan:
             param_bytes,
             bucket_bytes,
         )
-        installed._shapes[repr(captured.samples)] = (captured, schedule, runtime)
+        installed._shapes[shapes_digest(captured.samples)] = (captured, schedule, runtime)
         return installed
 
     def use_shape(self, samples: list[Any]) -> bool:
         """Switch to the graph captured at these per-sample shapes and dtypes, where one was (else
         False: capture it, `capture_shape`)."""
-        found = self._shapes.get(repr(samples))
+        found = self._shapes.get(shapes_digest(samples))
         if found is not None:
             self.captured, self.schedule, self.runtime = found
         return found is not None
+
+    def runtime_at(self, shapes: int) -> BurstRuntime | None:
+        """The runtime of the graph captured at the per-sample shapes of digest `shapes`, if any."""
+        found = self._shapes.get(shapes)
+        return found[2] if found is not None else None
 
     def add_shape(self, captured: CapturedGraph) -> None:
         """Run the plan on `captured` (the planned forward captured at other per-sample shapes) from now
@@ -343,7 +355,7 @@ class InstalledPlan:
         )
         self.captured, self.schedule = captured, schedule
         self.runtime = self.runtime.for_shape(captured, schedule)
-        self._shapes[repr(self.captured.samples)] = (captured, schedule, self.runtime)
+        self._shapes[shapes_digest(self.captured.samples)] = (captured, schedule, self.runtime)
 
     @functools.cached_property
     def data_parallel(self) -> bool:
@@ -450,20 +462,24 @@ def _parameters(
 
 def _global_batch_size(
     args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, idle: IdleWindows, shared: bool
-) -> int:
+) -> tuple[int, bool]:
     """Sum of the ranks' sample counts (tensor arguments are batches), or with a shared batch the
-    count every rank read. Collective."""
+    count every rank read; and whether every rank's tensor arguments have the same per-sample shapes
+    and dtypes. Collective."""
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    counts: list[Any] = [None] * world_size
+    mine = (leaves[0].shape[0] if leaves else 0, repr([(tuple(t.shape[1:]), t.dtype) for t in leaves]))
+    gathered: list[Any] = [None] * world_size
     with idle.window("global_batch_size"):
-        dist.all_gather_object(counts, leaves[0].shape[0] if leaves else 0)
+        dist.all_gather_object(gathered, mine)
+    counts = [count for count, _ in gathered]
+    same_shapes = len({shapes for _, shapes in gathered}) == 1
     if shared:
         if len(set(counts)) > 1 or not counts[0]:
             raise ValueError(
                 f"shared_batch=True needs every rank to read the same global batch, but the ranks read "
                 f"{counts} samples; give every rank the same data"
             )
-        return int(counts[0])
+        return int(counts[0]), same_shapes
     total = sum(counts)
     if total < world_size:
         raise ValueError(
@@ -472,7 +488,26 @@ def _global_batch_size(
             "for a convolutional model whose layers can split each sample by height, pass "
             "DeepPoolStrategy(shared_batch=True) and give every rank the whole batch"
         )
-    return int(total)
+    return int(total), same_shapes
+
+
+def _broadcast_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], src: int, device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Rank `src`'s call arguments on every rank, its tensors on `device` (they travel on the CPU):
+    every rank captures the forward at that rank's shapes. Collective."""
+
+    def to_cpu(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().cpu().requires_grad_(t.requires_grad and t.is_floating_point())
+
+    def to_device(t: Any) -> Any:
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    box = [pytree.tree_map(to_cpu, (args, kwargs)) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return pytree.tree_map(to_device, box[0])
 
 
 def _check_shareable(captured: CapturedGraph) -> None:
@@ -489,14 +524,11 @@ def _check_shareable(captured: CapturedGraph) -> None:
 def _check_same_capture(captured: CapturedGraph) -> None:
     """Every rank must have captured the same graph (capture runs on each rank's own batch)."""
     seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (captured.graph.fingerprint, repr(captured.samples)))
-    if len({fingerprint for fingerprint, _ in seen}) == 1:
+    dist.all_gather_object(seen, captured.graph.fingerprint)
+    if len(set(seen)) == 1:
         return
-    shapes = [samples for _, samples in seen]
-    if len(set(shapes)) > 1:
-        raise ValueError(f"deeppool: {SAME_SHAPES_IN_A_STEP} (per-sample shapes by rank: {shapes})")
     raise RuntimeError(
-        f"ranks captured different graphs (fingerprints {[f for f, _ in seen]}): the forward's structure "
+        f"ranks captured different graphs (fingerprints {seen}): the forward's structure "
         "depends on each rank's data. Make forward's control flow independent of the batch"
     )
 

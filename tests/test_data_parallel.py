@@ -39,9 +39,14 @@ def _counted(method: Any, counts: dict[str, int]) -> Any:
     return counting
 
 
-def _fit(rank: int, root: str, batches: list[Any]) -> dict[str, Any]:
-    """Meetings in the call agreement and the parameters, after a fit under a data-parallel plan."""
+def _fit(rank: int, root: str, batches: list[Any], shapes_differ: bool = False) -> dict[str, Any]:
+    """Meetings in the call agreement and the parameters, after a fit under a data-parallel plan; with
+    `shapes_differ`, rank 1 reads every batch at the other per-sample shape (the same values)."""
     join_lightning_world(rank, 2)
+    if shapes_differ and rank == 1:
+        batches = [
+            (x.reshape(8, 3, 4, 16) if x.shape[-1] == 8 else x.reshape(8, 3, 8, 8), y) for x, y in batches
+        ]
     counts = {"agree": 0, "begin_step": 0}
     for name in counts:
         setattr(CallAgreement, name, _counted(getattr(CallAgreement, name), counts))
@@ -66,21 +71,37 @@ def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     return run_distributed(_fit, 2, str(tmp_path_factory.mktemp("data_parallel")), _batches())
 
 
+@pytest.fixture(scope="module")
+def ranks_of_other_shapes(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_distributed(_fit, 2, str(tmp_path_factory.mktemp("data_parallel")), _batches(), True)
+
+
 def test_a_data_parallel_plan_agrees_on_no_call_but_the_one_that_installs_it(ranks):
     # Its ranks still meet where each step ends (and before collectives): begin_step every step.
     for result in ranks:
         assert result["counts"] == {"agree": 1, "begin_step": len(_batches())}
 
 
-def test_a_data_parallel_plan_trains_batches_of_another_per_sample_shape_as_one_device(ranks):
+def _one_device() -> dict[str, torch.Tensor]:
     reference = make_model("mlp")
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for inputs, labels in _batches():  # both ranks read the same batch: the global mean is that batch's
         optimizer.zero_grad()
         F.cross_entropy(reference(inputs), labels).backward()
         optimizer.step()
-    assert max_param_diff(parameters(reference), ranks[0]["params"]) < 1e-5
+    return parameters(reference)
+
+
+def test_a_data_parallel_plan_trains_batches_of_another_per_sample_shape_as_one_device(ranks):
+    assert max_param_diff(_one_device(), ranks[0]["params"]) < 1e-5
     assert max_param_diff(ranks[0]["params"], ranks[1]["params"]) == 0
+
+
+def test_a_data_parallel_plan_trains_ranks_whose_batches_differ_in_shape_from_the_first_step(
+    ranks_of_other_shapes,
+):
+    assert max_param_diff(_one_device(), ranks_of_other_shapes[0]["params"]) < 1e-5
+    assert max_param_diff(ranks_of_other_shapes[0]["params"], ranks_of_other_shapes[1]["params"]) == 0
 
 
 def _tied_sync(once: bool) -> tuple[set[str], torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from lightning_deeppool import DeepPoolStrategy
 
 from distributed import run_distributed
 from models import SEED, join_lightning_world, max_param_diff, parameters, reference_fit, trainer_kwargs
-from zoo import CASES, Case, PredictionLogger, RankZeroLogging
+from zoo import CASES, BatchShapes, Case, PredictionLogger, RankZeroLogging
 
 TOLERANCE = 1e-5
 STEPS = {"max_steps": 3}
@@ -78,6 +78,7 @@ def _zoo(rank: int, world: int, inits: dict[str, dict[str, torch.Tensor]], root:
             measured=strategy.measured_step_time_s,
             steps=trainer.global_step,
             logged=[len(c.logged) for c in callbacks if isinstance(c, PredictionLogger)],
+            shapes=[c.shapes for c in callbacks if isinstance(c, BatchShapes)],
             rank_zero_calls=[hasattr(model, "first_logits"), hasattr(model, "last_logits")]
             if isinstance(model, RankZeroLogging)
             else None,
@@ -176,3 +177,13 @@ def test_fit_ends_with_the_measured_step_time_once_steps_settle(zoo):
     _, _, results = zoo
     assert all(rank["measured"] > 0 for rank in results["rank-zero-callback-after-epoch"])  # 8 steps
     assert all(rank["measured"] is None for rank in results["frozen-layer"])  # 3 steps: too few
+
+
+@pytest.mark.parametrize(
+    "name", ["hf-bert-each-rank-pads-to-its-own-longest", "image-size-differs-between-ranks-split-by-height"]
+)
+def test_steps_where_ranks_batches_differ_in_shape_ran(zoo, name):
+    _, _, results = zoo
+    per_rank = [rank["shapes"][0] for rank in results[name]]  # each rank's batch shapes, step by step
+    steps = list(zip(*per_rank))
+    assert any(len(set(step)) > 1 for step in steps), steps

@@ -275,6 +275,34 @@ class RankZeroLogging(ConvNet):
         return loss
 
 
+def own_longest(samples: list[Any]) -> list[torch.Tensor]:
+    """Collate token ids, mask and labels cut to the batch's own longest sequence, as most NLP loaders
+    pad: the length differs between batches and, in one step, between ranks."""
+    ids, mask, labels = default_collate(samples)
+    length = int(mask.sum(1).max())
+    return [part[:, :length].contiguous() for part in (ids, mask, labels)]
+
+
+def size_by_content(samples: list[Any]) -> list[torch.Tensor]:
+    """Collate images resized to 12, 16 or 20 pixels a side by their labels: multi-scale batches whose
+    size differs, in one step, between ranks."""
+    x, y = default_collate(samples)
+    size = 12 + 4 * (int(y.sum()) % 3)
+    return [F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False), y]
+
+
+class BatchShapes(pl.Callback):
+    """The per-sample shape of each training batch's first tensor, step by step."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any
+    ) -> None:
+        self.shapes.append(tuple(batch[0].shape[1:]))
+
+
 class PredictionLogger(pl.Callback):
     """Logs sample predictions on rank 0 after every training epoch, as many callbacks do."""
 
@@ -623,6 +651,25 @@ CASES: dict[str, Case] = {
         },
         trainer={"max_steps": 4},
         collate=image_sizes,
+    ),
+    "hf-bert-each-rank-pads-to-its-own-longest": Case(
+        BERT,
+        masked_tokens,
+        _pins("model.cls", "model.bert.encoder.layer.1"),
+        reference="ddp",
+        callbacks=lambda: [BatchShapes()],
+        collate=lambda: own_longest,
+    ),
+    "image-size-differs-between-ranks-split-by-height": Case(
+        PooledHeadCNN,
+        lambda n: images(n, size=(16, 16)),
+        {
+            2: {"": 2, "down": {"width": 2, "spatial": 2}, "head": 1},
+            3: {"": 3, "stem": 2, "down": {"width": 3, "spatial": 3}, "head": 1},
+        },
+        reference="ddp",
+        callbacks=lambda: [BatchShapes()],
+        collate=lambda: size_by_content,
     ),
     "fit-given-a-compiled-model": Case(ConvNet, images, _pins("head", "features.2"), compiled=True),
     "compiled-submodule": Case(CompiledBody, images, _pins("head", "features.2")),

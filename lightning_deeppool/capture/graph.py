@@ -309,11 +309,17 @@ def preserved(module: nn.Module, device: torch.device | None = None) -> Iterator
             yield
     finally:
         with torch.no_grad():
+            # Only buffers whose values changed are written back: a write bumps a buffer's version, and a
+            # backward that saved it (position ids an embedding reads) fails if this ran before it.
             for name, b in module.named_buffers():
-                if name in buffers:
+                if name in buffers and not _same(b, buffers[name]):
                     b.copy_(buffers[name])
         for m, flag in flags.items():
             m.training = flag
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 def value_meta(value: Any, per_rank: bool = False, rows: Sequence[int] | None = None) -> ValueMeta:

@@ -18,19 +18,16 @@ from lightning_deeppool.capture import CapturedGraph, GuardError
 from lightning_deeppool.runtime.shared_batch import checksum, shares
 
 OK, GUARD_FAILED, INVALID = 0, 1, 2
-SAME_SHAPES_IN_A_STEP = (
-    "deeppool moves samples between ranks, so in each step every rank's batch must have the same "
-    "per-sample shape (shapes may change from step to step). Pad to a length every rank uses: a fixed "
-    "one, or one a collate function or batch sampler picks the same way on every rank for each step"
-)
 
 
 class Row(NamedTuple):
-    """What a rank shows the others of its call: its samples, a digest of the per-sample signature,
-    whether it can run (`OK`, `GUARD_FAILED`, `INVALID`) and, for a shared batch, the data's checksum."""
+    """What a rank shows the others of its call: its samples, digests of its per-sample shapes and
+    dtypes and of its other arguments (scalars, which inputs require grad), whether it can run (`OK`,
+    `GUARD_FAILED`, `INVALID`) and, for a shared batch, the data's checksum."""
 
     samples: int
-    signature: int
+    shapes: int
+    arguments: int
     outcome: int
     checksum: int
 
@@ -42,7 +39,7 @@ class Call:
     batch: dict[str, torch.Tensor]
     scalars: dict[str, Any]
     input_grads: dict[str, bool]
-    signature: str
+    arguments: str  # the scalars' values and which inputs require grad, as text
     row: Row
     error: Exception | None = None
 
@@ -51,9 +48,23 @@ class Call:
         """The per-sample shape and dtype of each batch input."""
         return _per_sample(self.batch)
 
+    @property
+    def signature(self) -> str:
+        """What the values a call computes depend on, besides the data."""
+        return repr((self.samples, self.arguments))
+
 
 def _per_sample(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
+
+
+def shapes_digest(samples: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The digest of per-sample shapes and dtypes that a `Row` carries."""
+    return _digest(repr([(tuple(shape), dtype) for shape, dtype in samples]))
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "big")
 
 
 def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any], *, shared: bool) -> Call:
@@ -74,10 +85,9 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
         if len(found) > 1:
             raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
     except (TypeError, ValueError) as err:
-        return Call({}, {}, {}, "", Row(0, 0, INVALID, 0), err)
-    signature = repr(
+        return Call({}, {}, {}, "", Row(0, 0, 0, INVALID, 0), err)
+    arguments = repr(
         (
-            _per_sample(batch),
             [v.tolist() if isinstance(v, torch.Tensor) else v for v in scalars.values()],
             sorted(input_grads.items()),
         )
@@ -87,24 +97,42 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
         captured.run_guards(scalars)
     except GuardError as err:
         outcome, error = GUARD_FAILED, err
-    digest = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "big")
     data = checksum(list(batch.values())) if shared else 0
-    return Call(batch, scalars, input_grads, signature, Row(found.pop(), digest, outcome, data), error)
+    row = Row(found.pop(), shapes_digest(_per_sample(batch)), _digest(arguments), outcome, data)
+    return Call(batch, scalars, input_grads, arguments, row, error)
+
+
+def without_samples(captured: CapturedGraph, call: Call, device: torch.device) -> Call:
+    """This rank's part in a run of the plan at the per-sample shapes `captured` was captured at,
+    which its own batch does not have: no samples, the call's arguments."""
+    batch = {
+        name: torch.empty((0, *shape), dtype=dtype, device=device)
+        for name, (shape, dtype) in zip(captured.batch_inputs, captured.samples)
+    }
+    return Call(batch, call.scalars, call.input_grads, call.arguments, call.row)
 
 
 def new_shape(call: Call, every_row: Sequence[Sequence[int]], captured_samples: list[Any]) -> bool:
-    """Whether every rank can make the call, with the same per-sample signature, but at per-sample
-    shapes or dtypes other than the captured ones: the same answer on every rank."""
+    """Whether every rank can make the call, with the same per-sample shapes and arguments, but at
+    per-sample shapes or dtypes other than the captured ones: the same answer on every rank."""
     rows = [Row(*row) for row in every_row]
-    agreed = all(row.outcome == OK for row in rows) and len({row.signature for row in rows}) == 1
+    agreed = all(row.outcome == OK for row in rows) and len({row[1:3] for row in rows}) == 1
     return agreed and call.samples != captured_samples
 
 
-def check(
-    call: Call, every_row: Sequence[Sequence[int]], captured_samples: list[Any], *, shared: bool
-) -> tuple[int, ...]:
+def shape_groups(every_row: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The ranks whose batches share per-sample shapes, group by group in the order of their lowest
+    rank (one group where every rank's batch has the same shapes)."""
+    groups: dict[int, list[int]] = {}
+    for rank, row in enumerate(every_row):
+        groups.setdefault(Row(*row).shapes, []).append(rank)
+    return list(groups.values())
+
+
+def check(call: Call, every_row: Sequence[Sequence[int]], *, shared: bool) -> tuple[int, ...]:
     """Every rank's samples in the call, once every rank's row (as it travelled: its numbers) says the
-    call can run (raises the same kind of error on every rank otherwise)."""
+    call can run (raises the same kind of error on every rank otherwise). The ranks' per-sample
+    shapes may differ (`shape_groups`); their other arguments may not."""
     rows = [Row(*row) for row in every_row]
     failed = {
         outcome: [rank for rank, row in enumerate(rows) if row.outcome == outcome]
@@ -119,21 +147,16 @@ def check(
         )
     if failed[GUARD_FAILED]:
         raise GuardError(f"deeppool: a captured branch no longer holds on ranks {failed[GUARD_FAILED]}")
-    if len({row.signature for row in rows}) > 1:
+    if len({row.arguments for row in rows}) > 1:
         raise ValueError(
-            f"deeppool: ranks called the planned forward with different per-sample shapes, dtypes or "
-            f"arguments: {SAME_SHAPES_IN_A_STEP} (this rank's call: {call.signature})"
+            "deeppool: ranks called the planned forward with different arguments (scalar tensors, or "
+            "inputs that require grad on some ranks only); every rank's call must pass the same ones "
+            f"(this rank's call: {call.signature})"
         )
-    if shared and len({(row.samples, row.checksum) for row in rows}) > 1:
+    if shared and len({(row.samples, row.shapes, row.checksum) for row in rows}) > 1:
         raise ValueError(
             "shared_batch=True needs every rank to read the same global batch, but the ranks' batches "
             f"differ (samples per rank: {[row.samples for row in rows]}); give every rank the same data "
             "in the same order (the strategy's sampler does; a custom sampler must too)"
-        )
-    if call.samples != captured_samples:
-        raise ValueError(
-            "the planned forward was captured for inputs of per-sample shapes and dtypes "
-            f"{captured_samples}; this step's inputs differ. "
-            "The captured graph is specialized to them: pad inputs to a fixed shape"
         )
     return shares(call.row.samples, len(rows)) if shared else tuple(row.samples for row in rows)

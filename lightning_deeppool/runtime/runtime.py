@@ -24,7 +24,7 @@ from lightning_deeppool.comm.messages import GroupMessages, Messages
 from lightning_deeppool.ir.placement import Layout, Placement
 from lightning_deeppool.ir.rows import SPLIT_DIM
 from lightning_deeppool.lowering.schedule import Action, Schedule, Stage
-from lightning_deeppool.runtime.call import Call, Row, check, new_shape, prepare
+from lightning_deeppool.runtime.call import Call, Row, check, new_shape, prepare, shape_groups
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import ScheduleWindows
 from lightning_deeppool.runtime.redistribute import block_of_whole, redistribute
@@ -147,8 +147,18 @@ class BurstRuntime:
         )
 
     def run(self, call: Call, rows: Sequence[Sequence[int]]) -> Any:
-        """Run a prepared call, given every rank's row of it (raises on every rank if one cannot run)."""
-        counts = check(call, rows, self.captured.samples, shared=self.shared)
+        """Run a prepared call, given every rank's row of it (raises on every rank if one cannot run).
+        Every rank's batch has this runtime's per-sample shapes (else `run_shapes`)."""
+        counts = check(call, rows, shared=self.shared)
+        if len(shape_groups(rows)) > 1 or call.samples != self.captured.samples:
+            raise ValueError(
+                f"deeppool: a call at per-sample shapes {call.samples} reached the runtime of the graph "
+                f"captured at {self.captured.samples}; please report this to lightning-deeppool"
+            )
+        return self._outputs(self.start(call, counts))
+
+    def start(self, call: Call, counts: tuple[int, ...]) -> _CallState:
+        """Run the forward schedule of a call in which the ranks hold `counts` samples."""
         batch = call.batch
         key = (
             call.signature,
@@ -174,7 +184,7 @@ class BurstRuntime:
             step.values[(name, self.home)] = value
         self._run(step, self.schedule.forward)
         self.last_step = step if self.keep_last_step else None
-        return self._outputs(step)
+        return step
 
     def _propagate_meta(
         self, batch: dict[str, torch.Tensor], scalars: dict[str, Any]
@@ -206,9 +216,9 @@ class BurstRuntime:
 
     def _forward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
-        if self.rank not in stage.ranks:
-            return
         samples = step.layout(stage.placement).samples(self.rank)
+        if self.rank not in stage.ranks or not samples:  # none: a run at another rank's shapes
+            return
         values = {value: self._stage_input(step, value, stage.placement) for value in stage.inputs}
         if stage.placement.spatial == 1:
             values.update(
@@ -301,10 +311,9 @@ class BurstRuntime:
         return moved if dst.samples(self.rank) > 0 else None
 
     def _outputs(self, step: _CallState) -> Any:
-        names = self.captured.graph.outputs
-        results = {name: self._held(step, name) for name in names}
+        results = self._results(step)
         if step.training:
-            results = self._attach_backward(step, list(names), results)
+            [results] = _attach_backward([(self, step, results)])
         if not self.shared:
             return self.captured.forward_outputs(results, step.counts[self.rank], step.scalars)
         whole = {name: self._gather(step, name, value) for name, value in results.items()}
@@ -322,6 +331,10 @@ class BurstRuntime:
 
         return pytree.tree_unflatten([whole(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
+    def _results(self, step: _CallState) -> dict[str, Any]:
+        """The forward's outputs as this rank holds them at the full width."""
+        return {name: self._held(step, name) for name in self.captured.graph.outputs}
+
     def _held(self, step: _CallState, name: str) -> Any:
         """A value at the full width; a rank holding no samples gets empty tensors."""
         if (name, self.home) not in step.values:
@@ -332,27 +345,6 @@ class BurstRuntime:
             ]
             step.values[(name, self.home)] = pytree.tree_unflatten(empty, meta.spec)
         return step.values[(name, self.home)]
-
-    def _attach_backward(self, step: _CallState, names: list[str], results: dict[str, Any]) -> dict[str, Any]:
-        """Route every output through one autograd node whose backward runs the schedule."""
-        slots: list[tuple[str, int]] = []
-        tensors: list[torch.Tensor] = []
-        flats = {}
-        for name in names:
-            flat, spec = pytree.tree_flatten(results[name])
-            flats[name] = (list(flat), spec)
-            for i, t in enumerate(flat):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    slots.append((name, i))
-                    tensors.append(t.detach())
-        inputs = [name for name, wanted in step.input_grads.items() if wanted]
-        anchor = torch.empty(0, requires_grad=True, device=self.device)
-        routed = _RunBackward.apply(
-            self, step, slots, inputs, anchor, *(step.values[(n, self.home)] for n in inputs), *tensors
-        )
-        for (name, i), t in zip(slots, routed):
-            flats[name][0][i] = t
-        return {name: pytree.tree_unflatten(flat, spec) for name, (flat, spec) in flats.items()}
 
     # ---------------------------------------------------------------------------------- backward
     def expect_last_pass(self, last: bool) -> None:
@@ -383,7 +375,7 @@ class BurstRuntime:
         if self.rank not in stage.ranks:
             return
         tensors, grads = [], []
-        for name, value in step.outputs[stage.index].items():
+        for name, value in step.outputs.get(stage.index, {}).items():
             pending = step.grads.pop((name, stage.placement), None)
             if pending is None:
                 continue
@@ -454,6 +446,57 @@ class BurstRuntime:
         self.messages.close()
 
 
+def run_shapes(parts: Sequence[tuple[BurstRuntime, Call, tuple[int, ...]]], mine: int) -> Any:
+    """A call whose ranks' batches have different per-sample shapes: the plan runs once per shape, on
+    that shape's runtime, with the samples of the ranks whose batches have it (`counts`; none on the
+    others), in the same order on every rank; one backward node walks every run's backward in that
+    order. Returns this rank's outputs: those of run `mine`, at its own shapes."""
+    steps = [runtime.start(call, counts) for runtime, call, counts in parts]
+    results = [runtime._results(step) for (runtime, _, _), step in zip(parts, steps)]
+    if steps[mine].training:
+        results = _attach_backward(
+            [(runtime, step, r) for (runtime, _, _), step, r in zip(parts, steps, results)]
+        )
+    runtime, _, counts = parts[mine]
+    return runtime.captured.forward_outputs(results[mine], counts[runtime.rank], steps[mine].scalars)
+
+
+@dataclass
+class _Routed:
+    """One run's share of the backward node: its runtime and state, the (value, leaf) of each of its
+    outputs the node routes, and its inputs whose gradients the node returns."""
+
+    runtime: BurstRuntime
+    step: _CallState
+    slots: list[tuple[str, int]]
+    inputs: list[str]
+
+
+def _attach_backward(runs: Sequence[tuple[BurstRuntime, _CallState, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Route every run's floating-point outputs through one autograd node whose backward runs their
+    schedules' backward, run by run."""
+    routed, tensors, flats = [], [], []
+    for runtime, step, results in runs:
+        slots, outputs, flat_run = [], [], {}
+        for name, value in results.items():
+            flat, spec = pytree.tree_flatten(value)
+            flat_run[name] = (list(flat), spec)
+            for i, t in enumerate(flat):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    slots.append((name, i))
+                    outputs.append(t.detach())
+        inputs = [name for name, wanted in step.input_grads.items() if wanted]
+        routed.append(_Routed(runtime, step, slots, inputs))
+        tensors += [step.values[(name, runtime.home)] for name in inputs] + outputs
+        flats.append(flat_run)
+    anchor = torch.empty(0, requires_grad=True, device=runs[0][0].device)
+    through = iter(_RunBackward.apply(routed, anchor, *tensors))
+    for run, flat_run in zip(routed, flats):
+        for name, i in run.slots:
+            flat_run[name][0][i] = next(through)
+    return [{name: pytree.tree_unflatten(flat, spec) for name, (flat, spec) in f.items()} for f in flats]
+
+
 def _held_shape(leaf: LeafMeta, layout: Layout, rank: int) -> tuple[int, ...]:
     """Shape of what `rank` holds of a leaf under `layout` (its rows only, when rows are split)."""
     shape = leaf.tensor_shape(layout.samples(rank))
@@ -486,25 +529,25 @@ def _accumulates(ctx: Any) -> bool:
 
 
 class _RunBackward(torch.autograd.Function):
-    """Identity on the outputs; its backward is the whole burst-parallel backward, and returns the
-    gradients of the forward's tensor arguments that require them."""
+    """Identity on the runs' outputs; its backward is the whole burst-parallel backward of each run,
+    and returns the gradients of the runs' inputs that require them. `tensors` holds, run by run, its
+    inputs then its outputs."""
 
     @staticmethod
     def forward(
-        ctx: Any,
-        runtime: BurstRuntime,
-        step: _CallState,
-        slots: list[tuple[str, int]],
-        inputs: list[str],
-        anchor: torch.Tensor,
-        *tensors: torch.Tensor,
+        ctx: Any, routed: list[_Routed], anchor: torch.Tensor, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.runtime, ctx.step, ctx.slots, ctx.inputs, ctx.anchor = runtime, step, slots, inputs, anchor
-        return tuple(t.clone() for t in tensors[len(inputs) :])
+        ctx.routed, ctx.anchor = routed, anchor
+        outputs, offset = [], 0
+        for run in routed:
+            offset += len(run.inputs)
+            outputs += [t.clone() for t in tensors[offset : offset + len(run.slots)]]
+            offset += len(run.slots)
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        if ctx.step is None:
+        if ctx.routed is None:
             raise RuntimeError(
                 "deeppool: a second backward through the same planned forward (retain_graph=True) is not "
                 "supported; run the forward again for each backward"
@@ -513,7 +556,13 @@ class _RunBackward(torch.autograd.Function):
             raise RuntimeError(
                 "deeppool: double backward (create_graph=True) through the planned forward is not supported"
             )
-        ctx.runtime.backward(ctx.step, ctx.slots, grads, accumulate=_accumulates(ctx))
-        input_grads = [ctx.runtime.input_grad(ctx.step, name) for name in ctx.inputs]
-        ctx.step = None
-        return (None, None, None, None, None, *input_grads, *([None] * len(grads)))
+        accumulate = _accumulates(ctx)
+        returned: list[torch.Tensor | None] = []
+        offset = 0
+        for run in ctx.routed:
+            run.runtime.backward(run.step, run.slots, grads[offset : offset + len(run.slots)], accumulate)
+            returned += [run.runtime.input_grad(run.step, name) for name in run.inputs]
+            returned += [None] * len(run.slots)
+            offset += len(run.slots)
+        ctx.routed = None
+        return (None, None, *returned)

@@ -2,7 +2,8 @@
 the same layer evaluated on rank 0 alone (which holds every parameter).
 
 Rank 0 holds the first samples of the global batch at every width, so the first samples it holds as
-its own input are comparable everywhere. Models with random operations (dropout) or batch statistics
+its own input are comparable everywhere (fewer of them where a run at its shapes gives a layer fewer
+samples on rank 0 than its own batch has). Models with random operations (dropout) or batch statistics
 (BatchNorm in training) cannot be compared this way and are not checked here; capture's own checks
 still apply to them.
 """
@@ -46,8 +47,9 @@ def first_difference(captured: CapturedGraph, step: Any, inputs: dict[str, Any])
             pytree.tree_leaves(planned[layer.name]), pytree.tree_leaves(reference[layer.name]), meta.leaves
         )
         for got, want, leaf in pairs:
-            if not meta.per_rank:
-                got, want = samples_view(got, leaf)[:count], samples_view(want, leaf)[:count]
+            if not meta.per_rank:  # the first samples: all of rank 0's, or fewer in a narrow layer
+                got = samples_view(got, leaf)[:count]
+                want = samples_view(want, leaf)[: got.shape[0]]
             if not _close(got.detach(), want):
                 difference = max_difference(got.detach(), want)
                 return (

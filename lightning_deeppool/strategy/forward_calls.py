@@ -26,8 +26,8 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.comm.fail_together import on_rank_zero
 from lightning_deeppool.install import InstalledPlan
-from lightning_deeppool.runtime.call import Call
-from lightning_deeppool.runtime.runtime import BurstRuntime
+from lightning_deeppool.runtime.call import Call, Row, check, shape_groups, without_samples
+from lightning_deeppool.runtime.runtime import BurstRuntime, run_shapes
 from lightning_deeppool.runtime.verify import first_difference
 from lightning_deeppool.strategy.call_agreement import CallAgreement, call_site
 from lightning_deeppool.strategy.patches import own_forward, replace_forward, restore_forward
@@ -116,16 +116,19 @@ class ForwardCalls:
         if installation is None:
             with own_forward(self.target):
                 installation = self.session.install(self.target, args, kwargs)
-        if call is not None and not installation.runtime.fits(call, rows):
+        if call is None:  # the installing call, or a rank alone: no row has travelled yet
+            call = installation.runtime.prepare(args, kwargs)
+            rows = installation.runtime.exchange(call.row)
+        if len(shape_groups(rows)) > 1:
+            return self._at_shapes(installation, call, rows, args, kwargs)
+        if not installation.runtime.fits(call, rows):
             call = self._at_shape(installation, call.samples, args, kwargs)
         runtime = installation.runtime
         runtime.keep_last_step = runtime not in self._verified
-        outputs = runtime.forward(*args, **kwargs) if call is None else runtime.run(call, rows)
+        outputs = runtime.run(call, rows)
         if torch.is_grad_enabled():
             self._pending += 1
-        if runtime not in self._verified:
-            self._verified.add(runtime)
-            self._verify(installation, args, kwargs)
+        self._verify_first(runtime, args, kwargs)
         return outputs
 
     def _at_shape(
@@ -138,12 +141,58 @@ class ForwardCalls:
                 self.session.capture_shape(installation, self.target, args, kwargs)
         return installation.runtime.prepare(args, kwargs)
 
-    def _verify(self, installation: InstalledPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _at_shapes(
+        self,
+        installation: InstalledPlan,
+        call: Call,
+        rows: Sequence[Sequence[int]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A call whose ranks' batches have different per-sample shapes (each rank padded to its own
+        longest sequence, say): the plan runs once per shape (`run_shapes`), each shape's graph captured
+        once on every rank, from the arguments of the lowest rank whose batch has it. Collective."""
+        counts = check(call, rows, shared=installation.runtime.shared)
+        rank = self.session.fit.rank
+        parts: list[tuple[BurstRuntime, Call, tuple[int, ...]]] = []
+        mine = 0
+        for ranks in shape_groups(rows):
+            shapes = Row(*rows[ranks[0]]).shapes
+            runtime = installation.runtime_at(shapes)
+            if runtime is None:
+                with own_forward(self.target):
+                    self.session.capture_shape(installation, self.target, args, kwargs, src=ranks[0])
+                runtime = installation.runtime
+            if rank in ranks:
+                mine = len(parts)
+                part = runtime.prepare(args, kwargs)
+            else:
+                part = without_samples(runtime.captured, call, runtime.device)
+            parts.append((runtime, part, tuple(n if r in ranks else 0 for r, n in enumerate(counts))))
+        per_rank = [layer.name for layer in parts[0][0].captured.graph.layers if layer.per_rank]
+        if per_rank:
+            raise ValueError(
+                f"deeppool: the ranks' batches have different per-sample shapes, and the planned forward "
+                f"reduces over each rank's samples in {per_rank[:3]} (a loss inside forward), which a run "
+                "per shape cannot give. Pad every rank's batch to the same length, or compute the loss "
+                "outside the planned module"
+            )
+        first = parts[0][0]  # rank 0's shapes: it checks their first run
+        first.keep_last_step = first not in self._verified
+        outputs = run_shapes(parts, mine)
+        if torch.is_grad_enabled():
+            self._pending += len(parts)  # several passes: no bucket launches before the step's sync
+        self._verify_first(first, args, kwargs)
+        return outputs
+
+    def _verify_first(self, runtime: BurstRuntime, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Once per captured graph, on its first planned call: rank 0 compares every layer with one
-        device's values."""
-        step = installation.runtime.last_step
-        installation.runtime.last_step = None
-        captured = installation.captured
+        device's values (`runtime` ran rank 0's samples)."""
+        if runtime in self._verified:
+            return
+        self._verified.add(runtime)
+        step, runtime.last_step = runtime.last_step, None
+        captured = runtime.captured
         message = on_rank_zero(lambda: first_difference(captured, step, captured.bind(args, kwargs)))
         if message is not None:
             raise RuntimeError(f"deeppool: the installed plan does not reproduce the model: {message}")

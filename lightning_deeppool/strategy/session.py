@@ -82,11 +82,16 @@ class PlanSession:
         return self.installed
 
     def capture_shape(
-        self, installed: InstalledPlan, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        installed: InstalledPlan,
+        target: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        src: int | None = None,
     ) -> None:
-        """Capture the planned forward at this call's new per-sample shapes and run `installed` (this
-        fit's plan) on it (collective)."""
-        capture_shape(self.options, installed, target, args, kwargs, self.fit.compiler)
+        """Capture the planned forward at this call's new per-sample shapes (rank `src`'s call's, if
+        given) and run `installed` (this fit's plan) on it (collective)."""
+        capture_shape(self.options, installed, target, args, kwargs, self.fit.compiler, src)
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Reduce fresh gradients (of `optimizer`'s parameters, if given). Collective."""
