@@ -116,7 +116,8 @@ def new_shape(call: Call, every_row: Sequence[Sequence[int]], captured_samples: 
     """Whether every rank can make the call, with the same per-sample shapes and arguments, but at
     per-sample shapes or dtypes other than the captured ones: the same answer on every rank."""
     rows = [Row(*row) for row in every_row]
-    agreed = all(row.outcome == OK for row in rows) and len({row[1:3] for row in rows}) == 1
+    same = len({(row.shapes, row.arguments) for row in rows}) == 1
+    agreed = all(row.outcome == OK for row in rows) and same
     return agreed and call.samples != captured_samples
 
 
