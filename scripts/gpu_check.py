@@ -88,7 +88,7 @@ REHEARSAL = Sizes(
     background=("--runs", "1", "--steps", "12", "--batch", "4", "--standalone-steps", "20"),
     limit_s=120,
     budget_s=400,
-    compiled=("--steps", "10", "--backend", "aot_eager"),
+    compiled=("--steps", "10", "--depth", "4", "--runs", "1", "--backend", "aot_eager"),
 )
 
 

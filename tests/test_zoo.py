@@ -1,13 +1,15 @@
 """Drop-in: models and usage patterns nobody here wrote train to one device's weights under deeppool.
 
-Each `zoo.CASES` entry trains on 2 and 3 spawned ranks with pins that mix widths (one process world
-per rank count runs every case) and on one device over the same global batches; the BatchNorm ResNet
-and the contrastive two-tower model are compared with Lightning's DDP in the same world instead (their
-losses see each rank's samples). Cases with branches on disjoint ranks also train on 4 ranks.
+Each `zoo.CASES` entry trains on the spawned rank counts its pins name (2 always; 3 for most; 4 for
+branches on disjoint ranks) with pins that mix widths, one process world per rank count running its
+cases, and on one device over the same global batches; cases whose loss sees each rank's samples as a
+batch (BatchNorm, contrastive losses, padding per rank) are compared with Lightning's DDP in the same
+world instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,7 +25,9 @@ from zoo import CASES, BatchShapes, Case, PredictionLogger, RankZeroLogging
 
 TOLERANCE = 1e-5
 STEPS = {"max_steps": 3}
-ON_FOUR_RANKS = [name for name, case in CASES.items() if 4 in case.pins]
+AT = {world: [name for name, case in CASES.items() if world in case.pins] for world in (2, 3, 4)}
+BOTH = pytest.mark.parametrize("world", [2, 3], ids=["2-ranks", "3-ranks"])
+Trained = tuple[dict[str, Any], dict[str, Any]]  # references, and per case each rank's outcome
 
 
 def _trainer(case: Case, **overrides: Any) -> dict[str, Any]:
@@ -104,39 +108,41 @@ def _reference(name: str, case: Case, world: int) -> pl.LightningModule:
     return model
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
-def zoo(request, tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    world = request.param
-    inits = {name: _fresh(case).state_dict() for name, case in CASES.items()}
-    results = run_distributed(_zoo, world, world, inits, str(tmp_path_factory.mktemp("zoo")), timeout_s=900)
+def _train(world: int, root: str) -> Trained:
+    """Every case of `world` trained in one process world: the one-device references, and per case
+    each rank's outcome."""
+    inits = {name: _fresh(CASES[name]).state_dict() for name in AT[world]}
+    results = run_distributed(_zoo, world, world, inits, root, timeout_s=900)
     references = {
-        name: _reference(name, case, world) for name, case in CASES.items() if case.reference == "single"
+        name: _reference(name, CASES[name], world) for name in AT[world] if CASES[name].reference == "single"
     }
-    return world, references, {name: [rank[name] for rank in results] for name in CASES}
+    return references, {name: [rank[name] for rank in results] for name in AT[world]}
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    inits = {name: _fresh(CASES[name]).state_dict() for name in ON_FOUR_RANKS}
-    results = run_distributed(_zoo, 4, 4, inits, str(tmp_path_factory.mktemp("zoo")), timeout_s=600)
-    references = {
-        name: _reference(name, CASES[name], 4) for name in ON_FOUR_RANKS if CASES[name].reference == "single"
-    }
-    return 4, references, {name: [rank[name] for rank in results] for name in ON_FOUR_RANKS}
+def trained(tmp_path_factory) -> Callable[[int], Trained]:
+    """`trained(world)`: each world trained once for the module, whichever test asks first."""
+    worlds: dict[int, Trained] = {}
+
+    def at(world: int) -> Trained:
+        if world not in worlds:
+            worlds[world] = _train(world, str(tmp_path_factory.mktemp("zoo")))
+        return worlds[world]
+
+    return at
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_trains_to_the_reference_weights_with_mixed_widths(zoo, name):
-    _check_trained(zoo, name)
+@pytest.mark.parametrize(
+    ("world", "name"),
+    [(world, name) for world, names in AT.items() for name in names],
+    ids=[f"{world}-ranks-{name}" for world, names in AT.items() for name in names],
+)
+def test_trains_to_the_reference_weights_with_mixed_widths(trained, world, name):
+    _check_trained(trained(world), name)
 
 
-@pytest.mark.parametrize("name", ON_FOUR_RANKS)
-def test_branches_train_to_the_reference_weights_on_four_ranks(four_ranks, name):
-    _check_trained(four_ranks, name)
-
-
-def _check_trained(zoo: tuple[int, dict[str, Any], dict[str, Any]], name: str) -> None:
-    _, references, results = zoo
+def _check_trained(trained: Trained, name: str) -> None:
+    references, results = trained
     ranks = results[name]
     assert ranks[0]["steps"] > 0
     assert len(ranks[0]["placements"]) >= 2, ranks[0]["placements"]
@@ -148,22 +154,25 @@ def _check_trained(zoo: tuple[int, dict[str, Any], dict[str, Any]], name: str) -
         assert max_param_diff(ranks[0]["params"], rank["params"]) == 0
 
 
-def test_rank_zero_calls_in_training_step_ran_on_rank_zero_only(zoo):
-    _, _, results = zoo
+@BOTH
+def test_rank_zero_calls_in_training_step_ran_on_rank_zero_only(trained, world):
+    _, results = trained(world)
     calls = [rank["rank_zero_calls"] for rank in results["rank-zero-forward-in-training-step"]]
     assert calls[0] == [True, True]
     assert all(c == [False, False] for c in calls[1:])
 
 
-def test_rank_zero_callback_logged_after_every_epoch(zoo):
-    _, _, results = zoo
+@BOTH
+def test_rank_zero_callback_logged_after_every_epoch(trained, world):
+    _, results = trained(world)
     logged = [rank["logged"] for rank in results["rank-zero-callback-after-epoch"]]
     assert logged[0] == [2]
     assert all(c == [0] for c in logged[1:])
 
 
-def test_rank_zero_alone_predicts_with_the_trained_weights(zoo):
-    _, references, results = zoo
+@BOTH
+def test_rank_zero_alone_predicts_with_the_trained_weights(trained, world):
+    references, results = trained(world)
     name = "rank-zero-callback-after-epoch"
     probe = CASES[name].probe
     assert probe is not None
@@ -173,8 +182,9 @@ def test_rank_zero_alone_predicts_with_the_trained_weights(zoo):
     assert "prediction" not in results[name][1]
 
 
-def test_fit_ends_with_the_measured_step_time_once_steps_settle(zoo):
-    _, _, results = zoo
+@BOTH
+def test_fit_ends_with_the_measured_step_time_once_steps_settle(trained, world):
+    _, results = trained(world)
     assert all(rank["measured"] > 0 for rank in results["rank-zero-callback-after-epoch"])  # 8 steps
     assert all(rank["measured"] is None for rank in results["frozen-layer"])  # 3 steps: too few
 
@@ -182,8 +192,9 @@ def test_fit_ends_with_the_measured_step_time_once_steps_settle(zoo):
 @pytest.mark.parametrize(
     "name", ["hf-bert-each-rank-pads-to-its-own-longest", "image-size-differs-between-ranks-split-by-height"]
 )
-def test_steps_where_ranks_batches_differ_in_shape_ran(zoo, name):
-    _, _, results = zoo
+@BOTH
+def test_steps_where_ranks_batches_differ_in_shape_ran(trained, world, name):
+    _, results = trained(world)
     per_rank = [rank["shapes"][0] for rank in results[name]]  # each rank's batch shapes, step by step
     steps = list(zip(*per_rank))
     assert any(len(set(step)) > 1 for step in steps), steps

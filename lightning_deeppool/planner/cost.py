@@ -402,7 +402,7 @@ def hidden_sync(
     for bucket in buckets:
         free = max(free, done[bucket[-1]]) + sum(layers[name].sync_s for name in bucket)
     total = sum(c.sync_s for c in layers.values())
-    return total - max(0.0, free - clock)
+    return max(0.0, total - max(0.0, free - clock))  # never below 0 from float error in the clocks
 
 
 def scheduled_step(
