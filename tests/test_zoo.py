@@ -190,7 +190,12 @@ def test_fit_ends_with_the_measured_step_time_once_steps_settle(trained, world):
 
 
 @pytest.mark.parametrize(
-    "name", ["hf-bert-each-rank-pads-to-its-own-longest", "image-size-differs-between-ranks-split-by-height"]
+    "name",
+    [
+        "hf-bert-each-rank-pads-to-its-own-longest",
+        "image-size-differs-between-ranks-split-by-height",
+        "each-rank-pads-to-its-own-longest-short-last-batch",
+    ],
 )
 @BOTH
 def test_steps_where_ranks_batches_differ_in_shape_ran(trained, world, name):
@@ -198,3 +203,10 @@ def test_steps_where_ranks_batches_differ_in_shape_ran(trained, world, name):
     per_rank = [rank["shapes"][0] for rank in results[name]]  # each rank's batch shapes, step by step
     steps = list(zip(*per_rank))
     assert any(len(set(step)) > 1 for step in steps), steps
+
+
+@BOTH
+def test_a_short_last_batch_of_one_sample_per_rank_at_shapes_all_different_ran(trained, world):
+    _, results = trained(world)
+    last = [rank["shapes"][0][-1] for rank in results["each-rank-pads-to-its-own-longest-short-last-batch"]]
+    assert len(set(last)) == world, last  # a run of one sample per shape: a width-2 stage idles a rank

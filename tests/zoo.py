@@ -276,11 +276,42 @@ class RankZeroLogging(ConvNet):
 
 
 def own_longest(samples: list[Any]) -> list[torch.Tensor]:
-    """Collate token ids, mask and labels cut to the batch's own longest sequence, as most NLP loaders
-    pad: the length differs between batches and, in one step, between ranks."""
+    """Collate token ids, mask and labels (per token, or one per sequence) cut to the batch's own longest
+    sequence, as most NLP loaders pad: the length differs between batches and, in one step, between
+    ranks."""
     ids, mask, labels = default_collate(samples)
     length = int(mask.sum(1).max())
-    return [part[:, :length].contiguous() for part in (ids, mask, labels)]
+    return [part[:, :length].contiguous() if part.dim() > 1 else part for part in (ids, mask, labels)]
+
+
+def labelled_lengths(n: int, seed: int = 3) -> TensorDataset:
+    """For the zoo's `n` (16 per rank): token ids, a padding mask and one class per sequence, three
+    samples per rank fewer, so that with batches of four the last batch holds one sample on each rank;
+    under Lightning's shuffle (its seed, and this `seed`) the three ranks' last samples differ in
+    length."""
+    ids, mask, labels = masked_tokens(n - 3 * (n // 16), seed).tensors
+    return TensorDataset(ids, mask, labels[:, 0] % CLASSES)
+
+
+class MaskedMeanClassifier(pl.LightningModule):
+    """Embeddings, a projection, the mean over the unpadded tokens and a linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.proj(self.embed(ids))) * mask[..., None]
+        return self.head(hidden.sum(1) / mask.sum(1, keepdim=True))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = batch
+        return F.cross_entropy(self(ids, mask), labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
 def size_by_content(samples: list[Any]) -> list[torch.Tensor]:
@@ -659,6 +690,15 @@ CASES: dict[str, Case] = {
         masked_tokens,
         _pins("model.cls", "model.bert.encoder.layer.1"),
         reference="ddp",
+        callbacks=lambda: [BatchShapes()],
+        collate=lambda: own_longest,
+    ),
+    "each-rank-pads-to-its-own-longest-short-last-batch": Case(
+        MaskedMeanClassifier,
+        labelled_lengths,
+        {2: {"": 2, "head": 1}, 3: {"": 3, "head": 1, "proj": 2}},
+        reference="ddp",
+        trainer={"max_epochs": 1, "max_steps": -1},
         callbacks=lambda: [BatchShapes()],
         collate=lambda: own_longest,
     ),

@@ -118,27 +118,41 @@ class GradSync:
             self._expected.clear()
 
     def _before_accumulate(self, name: str) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            if self._armed:
-                self._launch_ready()  # buckets the gradients accumulated before this one completed
-            if name in self._in_flight:
-                raise RuntimeError(
-                    f"deeppool: a gradient for {name!r} arrived after its all-reduce started; the step made "
-                    "a backward through the planned forward after the one that synchronized gradients"
-                )
-            if not self._in_stage:
-                self.outside.add(name)
-            p = self.params[name]
-            if name in self._reduced and p.grad is not None:
-                self._set_aside[name] = p.grad.detach().clone()
-            self._reduced.discard(name)
-            self._fresh.add(name)
-            if self._armed and self._in_stage and self._single_use(name):
-                position = self._bucket_of.get(name)
-                if position is not None:
-                    self._missing[position] -= 1
+        return lambda _: self._contribution(name)
 
-        return hook
+    def add_zeros(self, names: Sequence[str]) -> None:
+        """A contribution of zeros to each of these gradients (those that get gradients here): from a
+        stage this rank runs that held none of the step's samples here, so that every rank of a bucket
+        reduces the same gradients."""
+        with self.in_stage():
+            for name in names:
+                p = self.params[name]
+                if name in self._hooks and p.requires_grad:
+                    self._contribution(name)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+
+    def _contribution(self, name: str) -> None:
+        """What a hook does before a gradient accumulates: launch the buckets completed before it,
+        set aside its reduced part, count it fresh."""
+        if self._armed:
+            self._launch_ready()  # buckets the gradients accumulated before this one completed
+        if name in self._in_flight:
+            raise RuntimeError(
+                f"deeppool: a gradient for {name!r} arrived after its all-reduce started; the step made "
+                "a backward through the planned forward after the one that synchronized gradients"
+            )
+        if not self._in_stage:
+            self.outside.add(name)
+        p = self.params[name]
+        if name in self._reduced and p.grad is not None:
+            self._set_aside[name] = p.grad.detach().clone()
+        self._reduced.discard(name)
+        self._fresh.add(name)
+        if self._armed and self._in_stage and self._single_use(name):
+            position = self._bucket_of.get(name)
+            if position is not None:
+                self._missing[position] -= 1
 
     @contextmanager
     def in_stage(self) -> Iterator[None]:

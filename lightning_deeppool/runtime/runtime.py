@@ -98,6 +98,10 @@ class BurstRuntime:
         self._last_pass = False
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
         self._layouts: dict[tuple[int, ...], dict[Placement, Layout]] = {}  # per counts, as steps repeat
+        self._stage_params = [  # each once, as a hook fires once per gradient
+            list(dict.fromkeys(p for layer in stage.layers for p in captured.layer_params.get(layer, ())))
+            for stage in schedule.stages
+        ]
         self._handlers: dict[str, Callable[[_CallState, Action], None]] = {
             "forward": self._forward_stage,
             "send": self._send,
@@ -373,6 +377,10 @@ class BurstRuntime:
     def _backward_stage(self, step: _CallState, action: Action) -> None:
         stage = self.schedule.stages[action.number]
         if self.rank not in stage.ranks:
+            return
+        if not step.layout(stage.placement).samples(self.rank):  # forward skipped it here
+            if step.accumulate:
+                self.grad_sync.add_zeros(self._stage_params[stage.index])
             return
         tensors, grads = [], []
         for name, value in step.outputs.get(stage.index, {}).items():
