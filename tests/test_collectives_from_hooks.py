@@ -90,6 +90,18 @@ class LogsOnOppositeSidesOfTheCall(MLP):
         return loss
 
 
+class RankZeroWaitsAtEpochEnd(MLP):
+    def on_train_epoch_end(self) -> None:
+        if self.global_rank == 0:
+            self.trainer.strategy.barrier("epoch end")
+
+
+class RankZeroGathersAfterValidation(MLP):
+    def on_validation_epoch_end(self) -> None:
+        if self.global_rank == 0:
+            self.all_gather(torch.tensor(1.0))
+
+
 NARROW = {"head": 1}  # pins besides {"": world}: the head on rank 0 alone
 DATA_PARALLEL: dict[str, int] = {}
 
@@ -155,6 +167,21 @@ def test_a_collective_some_ranks_skip_stops_every_rank_naming_it(tmp_path):
     found = run_distributed(_mismatched, 2, 2, str(tmp_path), RankZeroLogsAfterTheStep, timeout_s=120)
     for message in found:
         assert "different collectives" in message and "on_train_batch_end (reduce)" in message, found
+
+
+@pytest.mark.parametrize(
+    ("model", "hook"),
+    [
+        (RankZeroWaitsAtEpochEnd, "on_train_epoch_end (barrier)"),
+        (RankZeroGathersAfterValidation, "on_validation_epoch_end (all_gather)"),
+    ],
+)
+def test_a_collective_one_rank_issues_after_the_last_step_stops_every_rank_naming_it(tmp_path, model, hook):
+    found = run_distributed(_mismatched, 2, 2, str(tmp_path), model, timeout_s=120)
+    for message in found:
+        assert "different collectives" in message and hook in message and "the end of training" in message, (
+            found
+        )
 
 
 @pytest.mark.parametrize(

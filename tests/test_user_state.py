@@ -58,6 +58,27 @@ class LogsGradNorms(MLP):
         self.log_dict(grad_norm(self, norm_type=2), sync_dist=True)
 
 
+class ClipsByMaxNorm(MLP):
+    """Clips by the max-norm, written in configure_gradient_clipping."""
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.01, norm_type="inf")
+
+
+class ClipsByValue(MLP):
+    """Clamps every gradient by hand in on_before_optimizer_step."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        torch.nn.utils.clip_grad_value_(self.parameters(), 0.002)
+
+
+class LogsOneAndMaxGradNorms(MLP):
+    """Logs Lightning's grad_norm of orders 1 and max, synchronized across ranks."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict({**grad_norm(self, norm_type=1), **grad_norm(self, norm_type="inf")}, sync_dist=True)
+
+
 class LogsHeadNorm(MLP):
     """Logs the head's weight norm every step, synchronized across ranks."""
 
@@ -75,7 +96,12 @@ CASES: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
     "clip-grad-norm-by-hand": (ClipsByHand, list, {}),
     "grad-norm-logged-with-sync-dist": (LogsGradNorms, list, {}),
     "ema-weight-averaging-with-validation": (MLP, _ema, {"max_steps": -1, "max_epochs": 2}),
+    "clip-grad-norm-by-hand-without-validation": (ClipsByHand, list, {}),
+    "clip-by-max-norm-in-configure-gradient-clipping": (ClipsByMaxNorm, list, {}),
+    "clip-grad-value-by-hand": (ClipsByValue, list, {}),
+    "grad-norms-of-orders-one-and-max-logged": (LogsOneAndMaxGradNorms, list, {}),
 }
+WITHOUT_VALIDATION = {"clip-grad-norm-by-hand-without-validation", "grad-norms-of-orders-one-and-max-logged"}
 STEPS = {"max_steps": 4}
 
 
@@ -101,7 +127,8 @@ def _fit(name: str, world: int, root: str) -> dict[str, Any]:
         )
     )
     data = _data(world)
-    fit.fit(model, DataLoader(data, batch_size=LOCAL_BATCH), DataLoader(data, batch_size=LOCAL_BATCH))
+    validation = None if name in WITHOUT_VALIDATION else DataLoader(data, batch_size=LOCAL_BATCH)
+    fit.fit(model, DataLoader(data, batch_size=LOCAL_BATCH), validation)
     return {
         "params": parameters(model),
         "seen": getattr(model, "seen", None),
@@ -131,7 +158,9 @@ def _reference(name: str, world: int) -> dict[str, Any]:
         data,
         LOCAL_BATCH * world,
         callbacks=callbacks(),
-        val_dataloaders=DataLoader(data, batch_size=LOCAL_BATCH * world),
+        val_dataloaders=None
+        if name in WITHOUT_VALIDATION
+        else DataLoader(data, batch_size=LOCAL_BATCH * world),
         **{**STEPS, **trainer},
     )
     return {
@@ -172,6 +201,17 @@ def test_grad_norms_of_gradients_a_rank_does_not_hold_are_logged_as_one_device_l
     logged = ranks[0]["grad-norm-logged-with-sync-dist"]["logged"]
     assert {"grad_2.0_norm/head.weight", "grad_2.0_norm_total"} <= set(expected)
     assert all(abs(logged[key] - expected[key]) < TOLERANCE for key in expected if key.startswith("grad_"))
+
+
+def test_one_and_max_grad_norms_of_gradients_a_rank_does_not_hold_are_logged_as_one_device_logs_them(runs):
+    ranks, references = runs
+    expected = references["grad-norms-of-orders-one-and-max-logged"]["logged"]
+    assert {"grad_1.0_norm/head.weight", "grad_inf_norm/head.weight", "grad_inf_norm_total"} <= set(expected)
+    for rank in ranks:
+        logged = rank["grad-norms-of-orders-one-and-max-logged"]["logged"]
+        assert all(
+            abs(logged[key] - expected[key]) < TOLERANCE for key in expected if key.startswith("grad_")
+        )
 
 
 def test_ema_weight_averaging_validates_as_one_device(runs):

@@ -273,14 +273,15 @@ class DeepPoolStrategy(DDPStrategy):
         every = self.check_every_n_steps
         if every and step and step % every == 0 and step != self._checked_at:
             self._checked_at = step
-            self._check_replicas()
+            with self._collective("replica check", hook="on_train_batch_start"):
+                self._check_replicas()
 
     @override
     def on_train_end(self) -> None:
         installed = self.session.installed
         if installed is None:
             return
-        self._refresh_parameters()
+        self._refresh_parameters("the end of training")
         step_times = self.session.step_times
         self.measured_step_time_s = step_times.median_s()
         self.measured_work_time_s = step_times.median_work_s()
@@ -293,18 +294,20 @@ class DeepPoolStrategy(DDPStrategy):
                 )
             )
 
-    def _refresh_parameters(self) -> None:
+    def _refresh_parameters(self, where: str = "before evaluation") -> None:
         """Check the ranks that train a parameter together agree on it, then give every rank rank 0's
         parameters and buffers where some rank does not hold every layer (evaluation runs every layer
-        on every rank, and fit ends with every rank's weights current). Collective."""
+        on every rank, and fit ends with every rank's weights current). Collective, issued `where`: a
+        rank still in a collective of a hook of its own stops every rank, naming both."""
         installed = self.session.installed
         if installed is None or self._calls is None:
             return
-        self._check_replicas()  # before rank 0's values overwrite a difference
-        if not installed.narrow:
-            return
-        assert self.lightning_module is not None
-        sync_module_states(self.lightning_module)
+        with self._collective("refresh of parameters", hook=where):
+            self._check_replicas()  # before rank 0's values overwrite a difference
+            if not installed.narrow:
+                return
+            assert self.lightning_module is not None
+            sync_module_states(self.lightning_module)
         self._calls.refreshed()
 
     def _check_replicas(self) -> None:
@@ -317,8 +320,10 @@ class DeepPoolStrategy(DDPStrategy):
     def teardown(self) -> None:
         connected = dist.is_available() and dist.is_initialized()
         if connected and not self._failed and self.world_size > 1:
-            # After a clean run, no rank destroys the plan's groups while a peer may still use them.
-            dist.barrier()
+            # After a clean run, no rank destroys the plan's groups while a peer may still use them;
+            # where the ranks meet, a peer still in a collective of its own stops both.
+            with self._collective("barrier", hook="the end of fit"):
+                dist.barrier()
         if self._calls is not None:
             self._calls.close()
             self._calls = None
