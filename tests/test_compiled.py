@@ -1,8 +1,8 @@
 """Compiled models train under deeppool as on one device, and compiled: with `trainer.fit(torch.compile(
-model))` (Lightning's documented way) and with `torch.compile` applied to a submodule, the planned
-layers they cover run through the user's compiler (a counting backend here) on every rank, and the
-strategy's own code is never traced. `compile_layers` compiles an uncompiled model's layers alike
-(aot_eager: forward and backward through AOTAutograd)."""
+model))` (Lightning's documented way), `model.compile()` and `torch.compile` applied to a submodule,
+the planned layers they cover run through the user's compiler (a counting backend here) on every
+rank, and the strategy's own code is never traced. `compile_layers` compiles an uncompiled model's
+layers alike (aot_eager: forward and backward through AOTAutograd)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ CASES = {
     "submodule": CompiledFeatures,
     "compile-layers": ConvNet,
     "whole-lightning-module-data-parallel": ConvNet,  # every layer at full width: no layer runs
+    "whole-lightning-module-compiled-in-place": ConvNet,  # model.compile(...)
 }
 
 
@@ -115,7 +116,13 @@ def _fit_every_case(rank: int, world: int, root: str) -> dict[str, Any]:
                 devices=world, strategy=strategy, default_root_dir=root, max_steps=STEPS, callbacks=[runs]
             )
         )
-        compiled = torch.compile(model, backend=counting) if name.startswith("whole") else model
+        if name.endswith("in-place"):
+            model.compile(backend=counting)
+        compiled = (
+            torch.compile(model, backend=counting)
+            if name.startswith("whole") and "in-place" not in name
+            else model
+        )
         trainer.fit(compiled, DataLoader(images(STEPS * LOCAL_BATCH * world), batch_size=LOCAL_BATCH))
         results[name] = {"params": parameters(model), "graphs": len(COMPILED) - before, "runs": runs.runs}
     return results

@@ -13,7 +13,8 @@ changes one fails there, not in a training run:
 - `clip_by_global_norm`: replaces the precision plugin's `clip_grad_by_norm` on the instance.
 - `replace_forward`: the planned module's `forward` replaced on the instance.
 - `take_compiler`: `trainer.fit(torch.compile(model))` leaves the LightningModule's forward and step
-  methods compiled (`_compiler_ctx`, private); the strategy restores them and compiles its layers.
+  methods compiled (`_compiler_ctx`, private); `model.compile()` its call (`_compiled_call_impl`,
+  whose closure holds dynamo's context, private); the strategy restores them and compiles its layers.
 - `sync_module_states`, `optimizers_to_device`: private functions of torch and
   Lightning the strategy calls.
 """
@@ -42,13 +43,30 @@ SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 
 def take_compiler(module: pl.LightningModule) -> Compiler | None:
-    """The compiler of a LightningModule given to `fit` compiled (None if it was not), its forward and
-    step methods restored to their own: dynamo must not trace the strategy's code they call."""
+    """The compiler of a LightningModule given to `fit` compiled, or compiled in place by
+    `module.compile()` (None if neither), its forward and step methods restored to their own: dynamo
+    must not trace the strategy's code they call."""
+    in_place = module._compiled_call_impl
+    if in_place is not None:
+        module._compiled_call_impl = None
+        return _dynamo_context(in_place)
     context = module._compiler_ctx
     if context is None:
         return None
     to_uncompiled(module)
     return context["dynamo_ctx"]
+
+
+def _dynamo_context(compiled: Callable[..., Any]) -> Compiler:
+    """The context `torch.compile` wrapped `compiled` with (its backend, mode and options): a compiler."""
+    for cell in compiled.__closure__ or ():
+        if isinstance(cell.cell_contents, torch._dynamo.eval_frame._TorchDynamoContext):
+            return cell.cell_contents  # type: ignore[no-any-return]
+    raise RuntimeError(
+        "deeppool: the module was compiled in place (module.compile()) in a way whose options this "
+        "version of deeppool cannot read; pass trainer.fit(torch.compile(model, ...)) instead, or "
+        "DeepPoolStrategy(compile_layers={...}) with torch.compile's options"
+    )
 
 
 def agree_on_overflow(
