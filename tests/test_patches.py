@@ -23,9 +23,11 @@ from lightning_deeppool.strategy.patches import (
     replace_wait_between_steps,
     restore_forward,
     sync_module_states,
+    take_compiler,
 )
 
 from distributed import run_distributed
+from models import MLP
 
 
 def test_grad_scaler_keeps_each_optimizers_found_inf_per_device():
@@ -138,3 +140,12 @@ def test_lightning_configures_a_background_jobs_optimizers_and_schedulers():
     optimizers, schedulers, monitor = _configure_optimizers(([optimizer], [scheduler]))
     configs = _configure_schedulers_automatic_opt(schedulers, monitor)
     assert optimizers == [optimizer] and [c.scheduler for c in configs] == [scheduler]
+
+
+def test_the_compiler_of_a_module_compiled_in_place_is_taken_from_its_call():
+    model = MLP()
+    model.compile(backend="eager")
+    compiler = take_compiler(model)
+    assert isinstance(compiler, torch._dynamo.eval_frame._TorchDynamoContext)
+    assert model._compiled_call_impl is None
+    assert take_compiler(model) is None
