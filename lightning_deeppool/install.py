@@ -401,8 +401,11 @@ class InstalledPlan:
                 raise RuntimeError(
                     f"deeppool: the ranks that train {name!r} together hold different values of it "
                     f"(checksums by rank: {found}): a parameter was changed on some ranks only, or "
-                    "ranks computed its update differently. Change parameters the same way on every "
-                    "rank; if the training code does, please report this to lightning-deeppool"
+                    "ranks computed its update differently, as when gradients are clipped by a norm "
+                    "computed over the optimizer's parameters (each rank's optimizer holds only those "
+                    "it trains: clip over self.parameters(), or use Trainer(gradient_clip_val=...)). "
+                    "Change parameters the same way on every rank; if the training code does, please "
+                    "report this to lightning-deeppool"
                 )
 
     def sync(
