@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks import EarlyStopping, EMAWeightAveraging
 from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader
 
@@ -79,6 +79,14 @@ class LogsOneAndMaxGradNorms(MLP):
         self.log_dict({**grad_norm(self, norm_type=1), **grad_norm(self, norm_type="inf")}, sync_dist=True)
 
 
+class LogsHeadMeanUnsynced(MLP):
+    """Logs the head's mean weight without sync_dist, monitored by EarlyStopping."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("head_mean", self.head.weight.mean())
+        return super().training_step(batch, batch_idx)
+
+
 class LogsHeadNorm(MLP):
     """Logs the head's weight norm every step, synchronized across ranks."""
 
@@ -110,7 +118,7 @@ def _data(world: int) -> Any:
 
 
 def _fit(name: str, world: int, root: str) -> dict[str, Any]:
-    cls, callbacks, trainer = CASES.get(name, (LogsHeadNorm, list, {}))
+    cls, callbacks, trainer = CASES[name] if name in CASES else REFUSED[name]
     torch.manual_seed(0)
     model = cls()
     pl.seed_everything(SEED, verbose=False)
@@ -137,14 +145,25 @@ def _fit(name: str, world: int, root: str) -> dict[str, Any]:
     }
 
 
+REFUSED: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
+    "head-norm-logged": (LogsHeadNorm, list, {}),
+    "early-stopping-on-an-unsynced-value-of-a-layer-a-rank-does-not-run": (
+        LogsHeadMeanUnsynced,
+        lambda: [EarlyStopping(monitor="head_mean", mode="max", patience=100, check_finite=True)],
+        {"max_steps": -1, "max_epochs": 3},
+    ),
+}
+
+
 def _every_case(rank: int, world: int, root: str) -> dict[str, Any]:
     join_lightning_world(rank, world)
     results: dict[str, Any] = {name: _fit(name, world, root) for name in CASES}
-    try:
-        _fit("head-norm-logged", world, root)
-        results["head-norm-logged"] = "trained"
-    except RuntimeError as err:
-        results["head-norm-logged"] = str(err)
+    for name in REFUSED:
+        try:
+            _fit(name, world, root)
+            results[name] = "trained"
+        except RuntimeError as err:
+            results[name] = str(err)
     return results
 
 
@@ -228,3 +247,10 @@ def test_a_value_logged_from_a_layer_a_rank_does_not_run_stops_every_rank_naming
     for rank in ranks:
         assert "head.weight" in rank["head-norm-logged"]
         assert "rank_zero_only=True" in rank["head-norm-logged"]
+
+
+def test_early_stopping_on_a_value_from_a_layer_a_rank_does_not_run_stops_every_rank_naming_it(runs):
+    ranks, _ = runs
+    for rank in ranks:
+        message = rank["early-stopping-on-an-unsynced-value-of-a-layer-a-rank-does-not-run"]
+        assert "decided differently" in message and "head_mean" in message, message

@@ -38,6 +38,7 @@ from lightning_deeppool.strategy.forward_calls import ForwardCalls
 from lightning_deeppool.strategy.hooks import (
     RefreshForEvaluation,
     callbacks,
+    check_decision,
     check_reduced,
     lost_connection,
     reads_gradients,
@@ -466,6 +467,18 @@ class DeepPoolStrategy(DDPStrategy):
         if stale and installed is not None and isinstance(result, torch.Tensor):
             check_reduced(tensor, result, installed, getattr(self.lightning_module, "_current_fx_name", None))
         return result
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        reduced = super().reduce_boolean_decision(decision, all)
+        installed = self.session.installed
+        if self._calls is not None and installed is not None and installed.narrow:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            metrics = trainer.callback_metrics if trainer is not None else {}
+            check_decision(
+                decision, metrics, installed, getattr(self.lightning_module, "_current_fx_name", None)
+            )
+        return reduced
 
     @override
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:

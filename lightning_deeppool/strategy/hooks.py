@@ -4,7 +4,7 @@ a rank does not hold."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,14 +29,43 @@ def check_reduced(
     dist.all_gather_object(every, mine)
     readers = [r for r, bad in enumerate(every) if bad and not installed.owns_everything(r)]
     if readers:
-        rank = readers[0]
+        unheld = "; ".join(f"rank {r} does not hold {installed.not_held(r)[:6]}" for r in readers)
         raise RuntimeError(
             f"deeppool: a value reduced across ranks in {hook or 'a hook'} (self.log(..., sync_dist=True), "
-            f"say) is NaN because ranks {readers} computed it from parameters of layers they do not run: "
-            f"rank {rank} does not hold {installed.not_held(rank)[:6]}, which no rank keeps current "
+            f"say) is NaN because ranks {readers} computed it from parameters of layers they do not run "
+            f"({unheld}), which no rank keeps current "
             "there between refreshes (they hold NaN until validation or the end of fit). Compute "
             "such values on rank 0, which holds every parameter (self.log(..., rank_zero_only=True) "
             "or `if self.trainer.is_global_zero:`), or pin those layers to every device"
+        )
+
+
+def check_decision(
+    decision: bool, metrics: Mapping[str, Any], installed: InstalledPlan, hook: str | None
+) -> None:
+    """Raise on every rank if the ranks decided differently (a callback's reduced stop or save
+    decision) while ranks that do not hold every layer hold non-finite logged values: values computed
+    from weights they do not keep current (logged between refreshes, such values stay in the callback
+    metrics), which would otherwise stop or save silently unlike DDP. Collective; called on every rank
+    under a plan with layers below full width."""
+    nonfinite = sorted(
+        name
+        for name, value in metrics.items()
+        if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all())
+    )
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (bool(decision), nonfinite))
+    if len({decided for decided, _ in every}) == 1:
+        return
+    suspects = {r: names for r, (_, names) in enumerate(every) if names and not installed.owns_everything(r)}
+    if suspects:
+        found = "; ".join(f"rank {r}: {names[:6]}" for r, names in suspects.items())
+        raise RuntimeError(
+            f"deeppool: the ranks decided differently in {hook or 'a callback'} (EarlyStopping or "
+            f"ModelCheckpoint, say) while ranks that do not run every layer logged values that are not "
+            f"finite ({found}): values computed from weights of layers they do not run, which hold NaN "
+            "there between refreshes. Log such values with sync_dist=True, or compute them in "
+            "validation_step, which runs after every rank gets rank 0's weights"
         )
 
 
