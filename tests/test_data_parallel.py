@@ -21,6 +21,7 @@ from lightning_deeppool.strategy.call_agreement import CallAgreement
 
 from distributed import run_distributed
 from models import (
+    TALL,
     Batches,
     images,
     join_lightning_world,
@@ -102,6 +103,36 @@ def test_a_data_parallel_plan_trains_ranks_whose_batches_differ_in_shape_from_th
 ):
     assert max_param_diff(_one_device(), ranks_of_other_shapes[0]["params"]) < 1e-5
     assert max_param_diff(ranks_of_other_shapes[0]["params"], ranks_of_other_shapes[1]["params"]) == 0
+
+
+def _validate_batch_norm(rank: int, root: str) -> dict[str, Any]:
+    """The BatchNorm model validated after each of two epochs, under Lightning's DDP and under a
+    data-parallel plan: per strategy the logged val_loss and the final buffers."""
+    join_lightning_world(rank, 2)
+    data = images(16, size=TALL)
+    found = {}
+    for name in ("ddp", "deeppool"):
+        model = make_model("spatial")
+        strategy: Any = (
+            "ddp" if name == "ddp" else DeepPoolStrategy(plan={"": 2}, cache_dir=False, profile_warmup=0)
+        )
+        trainer = pl.Trainer(
+            **trainer_kwargs(devices=2, strategy=strategy, default_root_dir=root, max_epochs=2)
+        )
+        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+        found[name] = {
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "buffers": {k: b.clone() for k, b in model.named_buffers()},
+        }
+    return found
+
+
+def test_a_data_parallel_plan_validates_and_ends_with_rank_zeros_batch_norm_statistics_as_ddp(tmp_path):
+    ranks = run_distributed(_validate_batch_norm, 2, str(tmp_path), timeout_s=300)
+    ddp = ranks[0]["ddp"]
+    for rank in ranks:
+        assert abs(rank["deeppool"]["val_loss"] - ddp["val_loss"]) < 1e-6
+        assert max_param_diff(ddp["buffers"], rank["deeppool"]["buffers"]) < 1e-6
 
 
 def _tied_sync(once: bool) -> tuple[set[str], torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from lightning_deeppool.strategy.patches import (
     replace_forward,
     replace_wait_between_steps,
     restore_forward,
+    sync_buffers,
     sync_module_states,
     take_compiler,
 )
@@ -111,6 +112,19 @@ def _synced(rank: int) -> list[float]:
 
 def test_module_states_come_from_rank_zero():
     assert run_distributed(_synced, 2) == [[1.0], [1.0]]
+
+
+def _buffers_synced(rank: int) -> list[float]:
+    module = nn.BatchNorm1d(1)
+    with torch.no_grad():
+        module.weight.fill_(float(rank + 1))
+        module.running_mean.fill_(float(rank + 1))
+    sync_buffers(module)
+    return [module.running_mean.item(), module.weight.item()]
+
+
+def test_buffers_come_from_rank_zero_and_parameters_stay():
+    assert run_distributed(_buffers_synced, 2) == [[1.0, 1.0], [1.0, 2.0]]
 
 
 def test_the_engine_says_whether_a_backward_accumulates_into_leaves():

@@ -48,6 +48,7 @@ from lightning_deeppool.strategy.patches import (
     optimizers_to_device,
     patch_scaler_overflow,
     replace_wait_between_steps,
+    sync_buffers,
     sync_module_states,
     take_compiler,
 )
@@ -297,17 +298,20 @@ class DeepPoolStrategy(DDPStrategy):
 
     def _refresh_parameters(self, where: str = "before evaluation") -> None:
         """Check the ranks that train a parameter together agree on it, then give every rank rank 0's
-        parameters and buffers where some rank does not hold every layer (evaluation runs every layer
-        on every rank, and fit ends with every rank's weights current). Collective, issued `where`: a
-        rank still in a collective of a hook of its own stops every rank, naming both."""
+        buffers, and its parameters where some rank does not hold every layer (evaluation runs every
+        layer on every rank, and fit ends with every rank's weights current), as DDP's evaluation sees
+        them. Collective, issued `where`: a rank still in a collective of a hook of its own stops every
+        rank, naming both."""
         installed = self.session.installed
         if installed is None or self._calls is None:
             return
+        assert self.lightning_module is not None
         with self._collective("refresh of parameters", hook=where):
             self._check_replicas()  # before rank 0's values overwrite a difference
             if not installed.narrow:
+                # Parameters agree (checked); buffers are each rank's own, where DDP's are rank 0's.
+                sync_buffers(self.lightning_module)
                 return
-            assert self.lightning_module is not None
             sync_module_states(self.lightning_module)
         self._calls.refreshed()
 

@@ -15,7 +15,7 @@ changes one fails there, not in a training run:
 - `take_compiler`: `trainer.fit(torch.compile(model))` leaves the LightningModule's forward and step
   methods compiled (`_compiler_ctx`, private); `model.compile()` its call (`_compiled_call_impl`,
   whose closure holds dynamo's context, private); the strategy restores them and compiles its layers.
-- `sync_module_states`, `optimizers_to_device`: private functions of torch and
+- `sync_module_states`, `sync_buffers`, `optimizers_to_device`: private functions of torch and
   Lightning the strategy calls.
 """
 
@@ -32,11 +32,25 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities.compile import to_uncompiled
 from torch import nn
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_deeppool.install import Compiler
 
 sync_module_states = _sync_module_states  # rank 0's parameters and buffers to every rank (collective)
+
+
+def sync_buffers(module: nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics, say) to every rank, in buckets as
+    `sync_module_states` broadcasts them (collective; none where the module has none)."""
+    buffers = [buffer.detach() for buffer in module.buffers()]
+    if buffers:
+        _sync_params_and_buffers(_get_default_group(), buffers, BROADCAST_BUCKET_BYTES, 0)
+
+
 optimizers_to_device = _optimizers_to_device
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # Lightning's and DDP's
 
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
