@@ -49,6 +49,7 @@ class Sizes:
     limit_s: int  # per plan step
     budget_s: int  # the whole check: a step gets at most what is left
     compiled: tuple[str, ...]  # the compiled-layers benchmark's arguments
+    profile: tuple[str, ...]  # untimed and timed runs per layer when planning
 
 
 FULL = Sizes(
@@ -75,6 +76,7 @@ FULL = Sizes(
     limit_s=150,
     budget_s=520,
     compiled=("--steps", "200", "--backend", "inductor"),
+    profile=("--warmup", "1", "--repeats", "3"),
 )
 REHEARSAL = Sizes(
     resnet={"width": 4, "blocks": [1, 1, 1, 1], "classes": 10},
@@ -89,6 +91,7 @@ REHEARSAL = Sizes(
     limit_s=120,
     budget_s=400,
     compiled=("--steps", "10", "--depth", "4", "--runs", "1", "--backend", "aot_eager"),
+    profile=("--warmup", "0", "--repeats", "1"),
 )
 
 
@@ -105,7 +108,7 @@ def steps(sizes: Sizes, out: Path, scratch: Path, device: str) -> list[Step]:
     background jobs beside a one-device foreground, eager against compiled (and CUDA-graphed) layers."""
     python = sys.executable
     cli = (python, "-m", "lightning_deeppool.cli")
-    profile = ("--device", device, "--warmup", "1", "--repeats", "3")
+    profile = ("--device", device, *sizes.profile)
     plan = (*cli, "plan", "--amplification-limit", "2.0", *profile)
     models = {
         "resnet50": (
