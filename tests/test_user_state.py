@@ -110,6 +110,14 @@ CASES: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
     "grad-norms-of-orders-one-and-max-logged": (LogsOneAndMaxGradNorms, list, {}),
 }
 WITHOUT_VALIDATION = {"clip-grad-norm-by-hand-without-validation", "grad-norms-of-orders-one-and-max-logged"}
+REFUSED: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
+    "head-norm-logged": (LogsHeadNorm, list, {}),
+    "early-stopping-on-an-unsynced-value-of-a-layer-a-rank-does-not-run": (
+        LogsHeadMeanUnsynced,
+        lambda: [EarlyStopping(monitor="head_mean", mode="max", patience=100, check_finite=True)],
+        {"max_steps": -1, "max_epochs": 3},
+    ),
+}
 STEPS = {"max_steps": 4}
 
 
@@ -143,16 +151,6 @@ def _fit(name: str, world: int, root: str) -> dict[str, Any]:
         "logged": {k: float(v) for k, v in fit.callback_metrics.items()},
         "widths": sorted(set(strategy.plan.widths().values())) if strategy.plan else [],
     }
-
-
-REFUSED: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
-    "head-norm-logged": (LogsHeadNorm, list, {}),
-    "early-stopping-on-an-unsynced-value-of-a-layer-a-rank-does-not-run": (
-        LogsHeadMeanUnsynced,
-        lambda: [EarlyStopping(monitor="head_mean", mode="max", patience=100, check_finite=True)],
-        {"max_steps": -1, "max_epochs": 3},
-    ),
-}
 
 
 def _every_case(rank: int, world: int, root: str) -> dict[str, Any]:

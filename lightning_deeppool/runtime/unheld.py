@@ -132,8 +132,9 @@ def _in_place(
     ones as asked; `unheld(t, arg)` for each unheld one, `arg` its share of the second argument."""
     many = name.startswith("_foreach_")
     tensors = list(args[0]) if many else [args[0]]
-    arg = args[1] if len(args) > 1 else None
-    shares = list(arg) if many and isinstance(arg, list | tuple) else [arg] * len(tensors)
+    arg: Any = args[1] if len(args) > 1 else None
+    each = many and isinstance(arg, list | tuple)  # a list of per-tensor arguments
+    shares = list(arg) if each else [arg] * len(tensors)
     held = [(t, a) for t, a in zip(tensors, shares) if not isinstance(t, Unheld)]
     for t, a in zip(tensors, shares):
         if isinstance(t, Unheld):
@@ -142,10 +143,10 @@ def _in_place(
         with torch._C.DisableTorchFunctionSubclass():
             if not many:
                 func(*args, **kwargs)
-            elif arg is None or not isinstance(arg, list | tuple):
-                func([t for t, _ in held], *args[1:], **kwargs)
-            else:
+            elif each:
                 func([t for t, _ in held], [a for _, a in held], *args[2:], **kwargs)
+            else:
+                func([t for t, _ in held], *args[1:], **kwargs)
     return args[0]
 
 

@@ -38,6 +38,12 @@ from torch.distributed.utils import _sync_params_and_buffers
 from lightning_deeppool.install import Compiler
 
 sync_module_states = _sync_module_states  # rank 0's parameters and buffers to every rank (collective)
+optimizers_to_device = _optimizers_to_device
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # Lightning's and DDP's
+
+# The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 
 def sync_buffers(module: nn.Module) -> None:
@@ -46,14 +52,6 @@ def sync_buffers(module: nn.Module) -> None:
     buffers = [buffer.detach() for buffer in module.buffers()]
     if buffers:
         _sync_params_and_buffers(_get_default_group(), buffers, BROADCAST_BUCKET_BYTES, 0)
-
-
-optimizers_to_device = _optimizers_to_device
-
-BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # Lightning's and DDP's
-
-# The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
-SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 
 def take_compiler(module: pl.LightningModule) -> Compiler | None:
