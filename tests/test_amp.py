@@ -10,6 +10,8 @@ from lightning_deeppool.strategy.patches import patch_scaler_overflow
 from distributed import run_distributed
 from models import fit_one_device, max_param_diff
 
+pytestmark = pytest.mark.floors
+
 
 def _step(rank: int, overflow_on: int | None, owners: int) -> tuple[float, float]:
     """One scaled step per rank; ranks below `owners` own the parameter, rank `overflow_on` sees an

@@ -14,6 +14,8 @@ from lightning_deeppool.planner.search import resolve_pins, search
 
 from planner_fixtures import SLOW_LINK, chain, graph_of, layer, linear_profile
 
+pytestmark = pytest.mark.floors
+
 FAST_LINK = CommProfile(link=AlphaBeta(latency_s=1e-6, seconds_per_byte=1e-12), overlap=False)
 
 

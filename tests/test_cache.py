@@ -11,6 +11,8 @@ from lightning_deeppool.profiling.cache import (
     save_cached_profile,
 )
 
+pytestmark = pytest.mark.floors
+
 KEY_ARGS = ("abc123", {"x": [[3, 32, 32], "float32"]}, "float32", "cpu", 2, 64)
 OTHER_VALUES = ("def456", {"x": [[3, 64, 64], "float32"]}, "bfloat16", "NVIDIA H100", 4, 128)
 

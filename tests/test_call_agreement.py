@@ -11,6 +11,8 @@ import torch
 
 from lightning_deeppool.strategy.call_agreement import CallAgreement, Point
 
+pytestmark = pytest.mark.floors
+
 
 class _ThreadGather:
     """Every thread's tensor, stacked in rank order: a `Gather` for threads standing in for ranks."""

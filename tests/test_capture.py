@@ -27,6 +27,8 @@ from zoo import (
     tokens,
 )
 
+pytestmark = pytest.mark.floors
+
 
 def _replayed(captured, *args, **kwargs):
     """The forward's outputs, evaluated layer by layer from the capture (no grad)."""

@@ -27,6 +27,8 @@ from models import (
     trainer_kwargs,
 )
 
+pytestmark = pytest.mark.floors
+
 GLOBAL_BATCH = 24
 SAMPLES = 4 * GLOBAL_BATCH  # four steps an epoch
 PINS = {"": 2, "head": 1}  # rank 1 does not own the head: its optimizer is pruned

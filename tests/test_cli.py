@@ -10,6 +10,8 @@ from lightning_deeppool.planner.plan import Plan
 
 from planner_fixtures import chain, linear_profile
 
+pytestmark = pytest.mark.floors
+
 TINY = """
 import torch
 from torch import nn

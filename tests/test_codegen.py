@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_deeppool.capture import capture_graph
 from lightning_deeppool.capture.codegen import CompiledLayer, compilable
 from lightning_deeppool.capture.graph import evaluate
+
+pytestmark = pytest.mark.floors
 
 
 def _captured():

@@ -26,6 +26,8 @@ from models import (
     trainer_kwargs,
 )
 
+pytestmark = pytest.mark.floors
+
 LOCAL_BATCH = 4
 STEPS = 3
 HOOKS = (

@@ -17,6 +17,8 @@ from lightning_deeppool.planner.plan import LayerPlan
 from distributed import run_distributed
 from models import MLP, Batches, ConvNet, images, join_lightning_world, make_model, trainer_kwargs
 
+pytestmark = pytest.mark.floors
+
 
 class Gate(nn.Module):
     """Data-dependent control flow: capture cannot follow it."""

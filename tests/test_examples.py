@@ -53,6 +53,7 @@ def test_large_images_example_trains_one_shared_image_split_by_height(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.floors
 def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):
     config = EXAMPLES / "cli_config.yaml"
     out = run_example([EXAMPLES / "cli.py", "fit", "--config", config, "--trainer.max_steps", "3"], tmp_path)
@@ -61,6 +62,7 @@ def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):
     assert Plan.load(plan).width("head") == 1  # pinned in the YAML
 
 
+@pytest.mark.floors
 def test_a_lightningcli_config_may_pin_modules_to_widths_splits_and_ranks():
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(DeepPoolStrategy, "strategy")
@@ -69,6 +71,7 @@ def test_a_lightningcli_config_may_pin_modules_to_widths_splits_and_ranks():
     assert config.strategy.plan == pins and config.strategy.branches is False
 
 
+@pytest.mark.floors
 def test_readme_shows_the_test_command_ci_runs():
     command = (ROOT / "scripts" / "test.sh").read_text().strip().splitlines()[-1]
     assert command.startswith("python3 -m venv .venv && ")

@@ -5,12 +5,15 @@ bucket's sum is over itself; the storage and the timing are what is tested."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_deeppool.comm.messages import GroupMessages
 from lightning_deeppool.lowering.schedule import Bucket
 from lightning_deeppool.runtime.grad_sync import GradSync
+
+pytestmark = pytest.mark.floors
 
 
 def _layer_and_sync() -> tuple[nn.Linear, GradSync]:

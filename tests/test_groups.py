@@ -1,11 +1,14 @@
 """Process groups of a plan: built on every rank, one per set of ranks that sums gradients."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_deeppool.comm.groups import PlanGroups
 
 from distributed import run_distributed
+
+pytestmark = pytest.mark.floors
 
 
 def _build(rank: int) -> dict[tuple[int, ...], float]:

@@ -8,7 +8,11 @@ import pickle
 import threading
 import time
 
+import pytest
+
 from lightning_deeppool.runtime.idle import HISTORY, IdleWindows
+
+pytestmark = pytest.mark.floors
 
 
 def test_a_window_is_open_only_inside_its_block_and_nested_windows_count_once() -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from layering import MAY_IMPORT, PACKAGE, cycles, layer, layer_cycles, sources, violations
 
+pytestmark = pytest.mark.floors
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -28,6 +28,8 @@ from models import (
     trainer_kwargs,
 )
 
+pytestmark = pytest.mark.floors
+
 PINS = {"": 2, "head": 1}
 FIT = {"max_steps": 4, "gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"}
 BF16 = {"max_steps": 2, "precision": "bf16-mixed"}

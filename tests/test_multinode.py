@@ -12,6 +12,8 @@ from lightning_deeppool import DeepPoolStrategy
 from distributed import run_distributed
 from models import SEED, images, make_model, max_param_diff, parameters, reference_fit, trainer_kwargs
 
+pytestmark = pytest.mark.floors
+
 GLOBAL_BATCH = 16
 SAMPLES = 4 * GLOBAL_BATCH
 PINS = {"": 2, "head": 1}

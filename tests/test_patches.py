@@ -30,6 +30,8 @@ from lightning_deeppool.strategy.patches import (
 from distributed import run_distributed
 from models import MLP
 
+pytestmark = pytest.mark.floors
+
 
 def test_grad_scaler_keeps_each_optimizers_found_inf_per_device():
     param = nn.Parameter(torch.ones(2))

@@ -11,6 +11,8 @@ from lightning_deeppool.planner.plan import PLAN_VERSION, Plan, plan_with_widths
 
 from planner_fixtures import chain, conv_net, linear_profile
 
+pytestmark = pytest.mark.floors
+
 SIZES = dict(world_size=4, global_batch_size=8)
 
 

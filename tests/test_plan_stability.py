@@ -17,6 +17,8 @@ from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
 from lightning_deeppool.planner.search import search
 
+pytestmark = pytest.mark.floors
+
 PROFILES = Path(__file__).parent / "data" / "profiles"
 # Roughly this machine's gloo link between two processes: 1.3 GB/s, 100 us per message.
 LINK = CommProfile(link=AlphaBeta(100e-6, 1 / 1.3e9), overlap=False)

@@ -13,6 +13,8 @@ from lightning_deeppool import DeepPoolStrategy
 from distributed import run_distributed
 from models import SEED, images, join_lightning_world, make_model, parameters, trainer_kwargs
 
+pytestmark = pytest.mark.floors
+
 SAMPLES = 48
 
 

@@ -13,6 +13,8 @@ from lightning_deeppool.profiling.layers import (
     time_whole_model,
 )
 
+pytestmark = pytest.mark.floors
+
 SIZES = [1, 3, 6]
 # relu joins bn; flatten would stop bn splitting by height and emb does not read it: a layer of its own;
 # cat joins emb, dropout joins fc.

@@ -12,6 +12,8 @@ from lightning_deeppool.ir.graph import GraphInput, Layer, LayerGraph
 from lightning_deeppool.ir.placement import Layout, Placement, pieces
 from lightning_deeppool.lowering.schedule import Action, Schedule, build_schedule, build_stages
 
+pytestmark = pytest.mark.floors
+
 # x -> a -> b -> add(a, b) -> c ; cat(add, c) -> head: a residual join and a concatenation.
 GRAPH = LayerGraph(
     inputs=(GraphInput("x", 16),),

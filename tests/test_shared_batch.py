@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_deeppool.runtime.shared_batch import checksum
+
+pytestmark = pytest.mark.floors
 
 
 def _batch() -> list[torch.Tensor]:

@@ -7,6 +7,8 @@ import pytest
 from lightning_deeppool.strategy import step_times
 from lightning_deeppool.strategy.step_times import StepTimes, summary
 
+pytestmark = pytest.mark.floors
+
 
 @pytest.fixture
 def clock(monkeypatch) -> list[float]:

@@ -28,6 +28,8 @@ from models import (
     trainer_kwargs,
 )
 
+pytestmark = pytest.mark.floors
+
 TOLERANCE = 1e-5
 LOCAL_BATCH = 4
 

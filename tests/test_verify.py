@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -13,6 +14,8 @@ from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.runtime.verify import first_difference
 
 from models import make_model
+
+pytestmark = pytest.mark.floors
 
 
 def _planned(captured, x, width: int = 2) -> SimpleNamespace:
