@@ -18,27 +18,31 @@ PACKAGE = "lightning_deeppool"
 # Which layers each layer may import (besides itself), bottom to top. The graph is acyclic.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "ir": frozenset(),
+    "private_files": frozenset(),
     "comm": frozenset(),
     "capture": frozenset({"ir"}),
     "planner": frozenset({"ir"}),
     "lowering": frozenset({"ir"}),
-    "profiling": frozenset({"ir", "capture", "comm"}),
+    "profiling": frozenset({"ir", "capture", "comm", "private_files"}),
     "spatial": frozenset({"ir", "capture", "comm"}),
     "runtime": frozenset({"ir", "capture", "lowering", "comm", "spatial"}),
     "install": frozenset({"ir", "capture", "planner", "lowering", "comm", "profiling", "spatial", "runtime"}),
     "strategy": frozenset({"ir", "planner", "comm", "runtime", "install"}),
-    "background": frozenset({"planner", "runtime"}),
+    "background": frozenset({"planner", "runtime", "private_files"}),
     "cli": frozenset({"ir", "capture", "planner", "profiling"}),
     "__init__": frozenset({"strategy", "background", "planner"}),
 }
 # Modules of another layer a layer may use, where it may not use the whole layer: the background
-# trainers subscribe to the runtime's idle windows and read the plan, nothing else.
+# trainers subscribe to the runtime's idle windows and read the plan, and keep their checkpoints as
+# private files, nothing else.
 ONLY: dict[str, frozenset[str]] = {
-    "background": frozenset({f"{PACKAGE}.runtime.idle", f"{PACKAGE}.planner.plan"}),
+    "background": frozenset(
+        {f"{PACKAGE}.runtime.idle", f"{PACKAGE}.planner.plan", f"{PACKAGE}.private_files"}
+    ),
 }
 # Third-party packages only some layers may import.
 TORCH_FREE = frozenset({"ir", "planner", "lowering"})
-STDLIB_ONLY = frozenset({"ir"})
+STDLIB_ONLY = frozenset({"ir", "private_files"})
 LIGHTNING = frozenset({"strategy", "background", "__init__"})
 
 

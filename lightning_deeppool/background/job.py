@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 import traceback
 from collections import deque
@@ -33,6 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_deeppool.background.gate import Gate, Stopped
+from lightning_deeppool.private_files import open_own, write_privately
 from lightning_deeppool.runtime.idle import IdleWindows
 
 STATES: tuple[str, ...] = ("queued", "running", "paused", "done", "failed", "stopped")
@@ -312,7 +312,7 @@ class JobRun:
 
     # ----------------------------------------------------------------------------- checkpoint
     def save(self) -> None:
-        """Write ``<checkpoint_dir>/<name>.ckpt`` atomically (temp file, then rename)."""
+        """Write ``<checkpoint_dir>/<name>.ckpt`` atomically, for this user only (`write_privately`)."""
         stats = self.job.stats
         checkpoint: dict[str, Any] = {
             "state_dict": self.module.state_dict(),
@@ -329,17 +329,17 @@ class JobRun:
         if self.module.hparams:
             checkpoint["hyper_parameters"] = dict(self.module.hparams)
         self.module.on_save_checkpoint(checkpoint)
-        path = self.job.checkpoint_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
+        write_privately(self.job.checkpoint_path, lambda file: torch.save(checkpoint, file))
 
     def _resume(self) -> None:
-        path = self.job.checkpoint_path
-        if not path.exists():
+        """Continue from the job's checkpoint, if any: one of this user's (`open_own`), since loading
+        it runs code it names."""
+        try:
+            file = open_own(self.job.checkpoint_path)
+        except FileNotFoundError:
             return
-        checkpoint = torch.load(path, map_location=self.device, weights_only=False)
+        with file:
+            checkpoint = torch.load(file, map_location=self.device, weights_only=False)
         self.module.on_load_checkpoint(checkpoint)
         self.module.load_state_dict(checkpoint["state_dict"])
         self.optimizer.load_state_dict(checkpoint["optimizer_states"][0])

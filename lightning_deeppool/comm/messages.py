@@ -11,7 +11,7 @@ exchanges of messages. `connect_local_links` says whether a run has links. Calle
 
 from __future__ import annotations
 
-import secrets
+import os
 import select
 import socket
 import struct
@@ -25,6 +25,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from lightning_deeppool.comm.admission import Card, accept_peers, link_to, listen
 
 _HEADER = struct.Struct("<q")  # a message's length in bytes, checked by its receiver
 _BUFFER_BYTES = 4 << 20
@@ -123,24 +125,15 @@ class LocalLinks:
 
     @classmethod
     def connect(cls, timeout_s: float = 1800.0) -> LocalLinks:
-        """Link this rank with every other rank of the world (all on this host; Linux). Collective."""
+        """Link this rank with every other rank of the world (all on this host; Linux), admitting only
+        those ranks (`admission`). Collective."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        token = [secrets.token_hex(8) if rank == 0 else None]
-        dist.broadcast_object_list(token, src=0)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(f"\0lightning-deeppool-{token[0]}-{rank}")  # abstract: no file to clean up
-        listener.listen(world)
-        dist.barrier()
-        sockets: dict[int, socket.socket] = {}
-        for peer in range(rank):
-            link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            link.connect(f"\0lightning-deeppool-{token[0]}-{peer}")
-            link.sendall(_HEADER.pack(rank))
-            sockets[peer] = link
-        for _ in range(rank + 1, world):
-            link, _ = listener.accept()
-            (peer,) = _HEADER.unpack(_read_exactly(link, _HEADER.size))
-            sockets[peer] = link
+        listener, mine = listen(rank, world)
+        cards: list[Card | None] = [None] * world
+        dist.all_gather_object(cards, mine)
+        peers = [card for card in cards if card is not None]
+        sockets = {peer.rank: link_to(peer, mine, timeout_s) for peer in peers[:rank]}
+        sockets.update(accept_peers(listener, peers[rank + 1 :], timeout_s))
         listener.close()
         for link in sockets.values():
             link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
@@ -288,16 +281,6 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
-def _read_exactly(link: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = link.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("a rank closed its link while connecting")
-        data += chunk
-    return data
-
-
 def sum_over(messages: Messages, flat: torch.Tensor, ranks: Sequence[int], rank: int) -> None:
     """Replace `flat` on this `rank` of `ranks` by the sum of every one's `flat`, exchanged by
     `messages` and added in rank order, so every rank gets the same bits. Collective over `ranks`."""
@@ -354,7 +337,20 @@ class SmallGather:
 
 
 def _one_host() -> bool:
-    """Whether every rank runs on this host, a Linux one (where `LocalLinks` reach). Collective."""
-    host = [None] * dist.get_world_size()
-    dist.all_gather_object(host, socket.gethostname())
-    return sys.platform.startswith("linux") and len(set(host)) == 1
+    """Whether every rank runs on this host, a Linux one, in one network and process namespace as one
+    user: where `LocalLinks` reach, and can check who connects. Collective."""
+    places: list[tuple[object, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(places, _place())
+    return places[0] is not None and len(set(places)) == 1
+
+
+def _place() -> tuple[object, ...] | None:
+    """This host, its network and process namespaces, and this user; None off Linux (or where it
+    does not say)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        spaces = [os.readlink(f"/proc/self/ns/{kind}") for kind in ("net", "pid")]
+    except OSError:
+        return None
+    return (socket.gethostname(), *spaces, os.geteuid())

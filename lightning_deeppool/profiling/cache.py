@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning_deeppool.ir.profile import PROFILE_VERSION, Profile
+from lightning_deeppool.private_files import open_own, write_privately
 
 
 def profile_cache_key(
@@ -41,29 +41,23 @@ def default_cache_dir() -> Path:
 
 
 def load_cached_profile(cache_dir: str | Path, key: str) -> Profile | None:
-    """The cached profile, or None when absent; unreadable or outdated files warn and give None."""
+    """The cached profile, or None when absent; unreadable, outdated or untrusted files (`open_own`)
+    warn and give None."""
     path = _path(cache_dir, key)
-    if not path.exists():
-        return None
     try:
-        return Profile.load(path)
+        with open_own(path) as file:
+            return Profile.from_dict(json.load(file))
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, KeyError, TypeError) as err:
         warnings.warn(f"ignoring cached profile {path}: {err}; profiling again", stacklevel=2)
         return None
 
 
 def save_cached_profile(cache_dir: str | Path, key: str, profile: Profile) -> Path:
-    """Write atomically (temp file + os.replace), so concurrent readers never see half a file."""
+    """Write for this user only (`write_privately`)."""
     path = _path(cache_dir, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as file:
-            json.dump(profile.to_dict(), file, indent=1)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_privately(path, lambda file: file.write(json.dumps(profile.to_dict(), indent=1).encode()))
     return path
 
 
