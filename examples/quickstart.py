@@ -2,9 +2,11 @@
 
 Runs on 2 CPU processes (or every GPU when there are two or more), prints the plan the strategy chose
 and ends with the trained model's accuracy on held-out digits. Nothing is downloaded: the digits
-ship inside scikit-learn.
+ship inside scikit-learn. With ``--compare-ddp`` it then trains the same model with Lightning's
+``"ddp"`` for as many steps and prints both measured median step times beside the predicted speedup.
 
-    python examples/quickstart.py            # full run (under 2 minutes on 2 CPU cores)
+    python examples/quickstart.py                 # full run (about a minute on 2 CPU cores)
+    python examples/quickstart.py --compare-ddp   # and the same steps under Lightning's DDP
     python examples/quickstart.py --max-steps 5   # smoke test
 
 The strategy's launcher re-runs this script once per extra device, so everything that trains
@@ -24,22 +26,34 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool  # noqa: F401  (registers strategy="deeppool")
+from lightning_deeppool.strategy.step_times import StepTimes
 
 
 class DigitsCNN(pl.LightningModule):
-    """Convolutions (scale well with the batch) feeding a wide linear layer (barely does)."""
+    """Convolutions (scale well with the batch) feeding three wide linear layers (barely do: their
+    time goes to their 21M weights, whose gradients DDP would all-reduce every step)."""
 
-    def __init__(self, channels: int = 64, hidden: int = 1024, lr: float = 0.05) -> None:
+    def __init__(self, channels: int = 192, hidden: int = 2560, lr: float = 0.02) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.features = nn.Sequential(
-            nn.Conv2d(1, channels, 3, padding=1),
+            nn.Conv2d(1, channels // 2, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels // 2, channels, 3, padding=1),
             nn.ReLU(),
             nn.Conv2d(channels, channels, 3, padding=1),
             nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.Flatten(),
         )
-        self.wide = nn.Sequential(nn.Linear(channels * 64, hidden), nn.ReLU())
+        self.wide = nn.Sequential(
+            nn.Linear(channels * 16, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(hidden, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,38 +86,72 @@ def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
     return (predicted == y).float().mean().item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-epochs", type=int, default=15)
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (smoke tests)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per device per step")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+class StepTimer(pl.Callback):
+    """Median wall time between training batch starts, as the strategy measures its own."""
 
-    # One device leaves nothing to plan: with fewer than two GPUs, use two CPU processes.
+    def __init__(self) -> None:
+        self.times = StepTimes()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        self.times.mark()
+
+
+def fit(strategy: str, args: argparse.Namespace, train: TensorDataset, **limits: int) -> pl.Trainer:
+    """Train a fresh, identically seeded model with `strategy`; its trainer."""
     cuda = torch.cuda.device_count() >= 2
-    devices = torch.cuda.device_count() if cuda else 2
-    if not cuda:
-        # Every process would otherwise start one thread per core and they would fight over them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
     pl.seed_everything(args.seed, verbose=False)
-    train, held_out = digits(args.seed)
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu",
-        devices=devices,
-        strategy="deeppool",
-        max_epochs=args.max_epochs,
-        max_steps=args.max_steps,
+        devices=torch.cuda.device_count() if cuda else 2,
+        strategy=strategy,
         default_root_dir="outputs/quickstart",  # the strategy writes deeppool_plan.json here
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[StepTimer()],
+        **limits,
     )
-    model = DigitsCNN()
-    trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True))
+    trainer.fit(DigitsCNN(), DataLoader(train, batch_size=args.batch_size, shuffle=True))
+    return trainer
+
+
+def compare_with_ddp(deeppool: pl.Trainer, args: argparse.Namespace, train: TensorDataset) -> None:
+    """Train as many steps with Lightning's DDP; print both measured median step times beside the
+    plan's predicted speedup."""
+    ddp = fit("ddp", args, train, max_steps=deeppool.global_step)
+    plan, measured = deeppool.strategy.plan, deeppool.strategy.measured_step_time_s
+    ddp_s = next(c.times.median_s() for c in ddp.callbacks if isinstance(c, StepTimer))
+    if ddp.is_global_zero and plan is not None and measured is not None and ddp_s is not None:
+        print(
+            f"measured median step time over {deeppool.global_step} steps: deeppool {measured * 1e3:.3f} "
+            f"ms, Lightning's DDP {ddp_s * 1e3:.3f} ms: speedup {ddp_s / measured:.2f}x (predicted "
+            f"{plan.speedup:.2f}x)",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-epochs", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (smoke tests)")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per device per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare-ddp", action="store_true", help="then train as many steps with Lightning's DDP, timed"
+    )
+    args = parser.parse_args()
+
+    # One device leaves nothing to plan: with fewer than two GPUs, use two CPU processes.
+    if torch.cuda.device_count() < 2:
+        # Every process would otherwise start one thread per core and they would fight over them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    train, held_out = digits(args.seed)
+    trainer = fit("deeppool", args, train, max_epochs=args.max_epochs, max_steps=args.max_steps)
     if trainer.is_global_zero:
-        print(f"held-out accuracy: {accuracy(model, held_out):.3f}", flush=True)
+        print(f"held-out accuracy: {accuracy(trainer.lightning_module, held_out):.3f}", flush=True)
+    if args.compare_ddp:
+        compare_with_ddp(trainer, args, train)
 
 
 if __name__ == "__main__":

@@ -188,9 +188,10 @@ def test_memory_counts_a_layer_on_its_ranks_and_its_parameters_on_rank_zero():
     assert memory == [l0 + 8000, l0, l1, l1]
 
 
-def test_without_layers_side_by_side_the_schedule_is_the_serial_step_less_the_hidden_sync():
+@pytest.mark.parametrize("contention", [0.0, 0.5])
+def test_without_layers_side_by_side_the_schedule_is_the_serial_step_less_the_hidden_sync(contention):
     graph = towers()
-    comm = CommProfile(link=AlphaBeta(20e-6, 1e-9), overlap=True)
+    comm = CommProfile(link=AlphaBeta(20e-6, 1e-9), overlap=True, contention=contention)
     profile = linear_profile(
         graph, {item.name: (1e-3, 1e-4) for item in graph.layers}, max_batch=8, comm=comm
     )
@@ -201,10 +202,11 @@ def test_without_layers_side_by_side_the_schedule_is_the_serial_step_less_the_hi
     buckets = cost.sync_buckets(graph, placements, step.layers, synced, comm)
     allreduce = {name: c.sync_s for name, c in step.layers.items()}
     scheduled = cost.scheduled_step(
-        graph, placements, step.layers, buckets, allreduce, world_size=4, overlap=True
+        graph, placements, step.layers, buckets, allreduce, world_size=4, overlap=True, contention=contention
     )
     assert step.hidden_s > 0
-    assert scheduled == pytest.approx(step.serial_s - step.hidden_s)
+    assert (step.contention_s > 0) == (contention > 0)
+    assert scheduled == pytest.approx(step.serial_s - step.hidden_s + step.contention_s)
 
 
 # ---------------------------------------------------------------------------- search

@@ -204,9 +204,10 @@ def test_a_pin_may_split_by_height_as_widthsspatial_and_is_checked_against_the_l
     )
 
 
-def test_a_link_figure_given_replaces_only_itself_and_keeps_the_profiles_overlap(capsys):
+def test_a_link_figure_given_replaces_only_itself_and_keeps_the_profiles_overlap_and_contention(capsys):
     vgg16 = str(Path(__file__).parents[1] / "benchmarks" / "profiles" / "a100" / "vgg16.json")
     main(["simulate", "--profile", vgg16, "--global-batch-size", "32", "--devices", "8", "--latency-us", "5"])
     out = capsys.readouterr().out
     assert "assumes point-to-point: 266 GB/s, 5 us per message" in out  # the profile's bandwidth
     assert "assumes gradient all-reduces beside backward" in out
+    assert "compute beside them at 54% of its speed" in out

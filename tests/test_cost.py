@@ -436,3 +436,46 @@ def test_without_overlap_all_reduces_follow_backward():
     step = _two_layers_at_full_width(5e-10, overlap=False)
     assert step.hidden_s == 0
     assert step.total_s == pytest.approx(6e-3 + 2e-3)
+
+
+def _small_bucket_last(contention: float, *, overlap: bool = True):
+    """Two 3 ms layers at width 2: l1's 2 MB of gradients reduce in 1 ms beside l0's backward (4-6 ms),
+    l0's 0.2 MB in 0.1 ms after it."""
+    graph = graph_of([layer("l0", ["x"], params=50_000), layer("l1", ["l0"], params=500_000)])
+    comm = CommProfile(link=AlphaBeta(0.0, 5e-10), overlap=overlap, contention=contention)
+    profile = linear_profile(graph, {"l0": (3e-3, 0.0), "l1": (3e-3, 0.0)}, max_batch=4, comm=comm)
+    return cost.evaluate(graph, profile, {"l0": 2, "l1": 2}, world_size=2, global_batch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("contention", "step_s"),
+    [
+        (0.0, 6.1e-3),  # backward ends at 6 ms, l0's bucket at 6.1
+        (0.05, 6.1e-3),  # backward ends 0.05 ms later, still before l0's bucket
+        (0.5, 6.5e-3),  # half speed beside l1's 1 ms all-reduce: backward ends 0.5 ms later
+    ],
+)
+def test_compute_beside_an_all_reduce_loses_the_contention_share_of_its_speed(contention, step_s):
+    step = _small_bucket_last(contention)
+    assert step.total_s == pytest.approx(step_s)
+    assert step.hidden_s == pytest.approx(1e-3)
+    assert step.contention_s == pytest.approx(step_s - 6.1e-3)
+
+
+def test_without_overlap_contention_slows_nothing():
+    step = _small_bucket_last(0.5, overlap=False)
+    assert step.contention_s == 0
+    assert step.total_s == pytest.approx(6e-3 + 1.1e-3)
+
+
+@pytest.mark.parametrize("contention", [-0.1, 1.0])
+def test_contention_outside_zero_to_one_is_an_error(contention):
+    with pytest.raises(ValueError, match=r"contention .* must be in \[0, 1\), got"):
+        CommProfile(contention=contention)
+
+
+def test_contention_survives_json_and_older_profiles_load_with_none_at_zero():
+    comm = CommProfile(contention=0.3)
+    assert CommProfile.from_dict(comm.to_dict()) == comm
+    older = {key: value for key, value in comm.to_dict().items() if key != "contention"}
+    assert CommProfile.from_dict(older).contention == 0.0

@@ -4,6 +4,7 @@ from torch import nn
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
 from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, LayerProfile, Profile
+from lightning_deeppool.profiling import layers as layers_module
 from lightning_deeppool.profiling.layers import (
     assign_layers,
     candidate_batch_sizes,
@@ -86,6 +87,16 @@ def test_profile_time_grows_with_batch_size():
     env = captured.bind((torch.randn(2, 512),), {})
     (layer,) = profile_layers(captured, env, [1, 512], warmup=1, repeats=3).values()
     assert layer.seconds[1] > layer.seconds[0]
+
+
+def test_a_profile_records_the_timed_runs_median_and_their_spread_about_it(monkeypatch):
+    captured = capture_graph(nn.Linear(4, 4), (torch.randn(2, 4),))
+    runs = iter([9.0, 1.0, 2.0, 3.0, 10.0, 5.0])  # a warm-up run, then five timed ones
+    monkeypatch.setattr(layers_module, "_timed_once", lambda *args: next(runs))
+    env = captured.bind((torch.randn(2, 4),), {})
+    (layer,) = profile_layers(captured, env, [2], warmup=0, repeats=5).values()
+    assert layer.seconds == (3.0,)
+    assert layer.spread == (2.0,)  # the median of the deviations 2, 1, 0, 7, 2
 
 
 def test_profiling_leaves_parameter_grads_none(net):

@@ -216,7 +216,8 @@ def _measure(
 def _with_comm(profile: Profile, args: argparse.Namespace) -> Profile:
     """The profile with the link figures given on the command line (point-to-point and, if given
     apart, collectives), when any is given: they replace what was measured, a figure not given is the
-    profile's link's; the buckets and whether all-reduces overlap backward stay the profile's."""
+    profile's link's; the buckets, whether all-reduces overlap backward and how much they slow the
+    compute beside them stay the profile's."""
     link = _link(args.bandwidth, args.latency_us, "", profile.comm.link)
     collective = _link(args.collective_bandwidth, args.collective_latency_us, "collective-", link)
     if link is None and collective is None:
@@ -226,6 +227,7 @@ def _with_comm(profile: Profile, args: argparse.Namespace) -> Profile:
         collective=collective,
         bucket_bytes=profile.comm.bucket_bytes,
         overlap=profile.comm.overlap,
+        contention=profile.comm.contention,
     )
     return dataclasses.replace(profile, comm=comm)
 

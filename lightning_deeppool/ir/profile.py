@@ -21,13 +21,15 @@ class LayerProfile:
     """Forward+backward seconds (median) of one layer at increasing per-device batch sizes.
 
     `peak_bytes` is the memory the layer needs at each batch size (activations kept for backward
-    plus workspace); None where memory was not measured (CPU).
+    plus workspace); None where memory was not measured (CPU). `spread` is, per batch size, the
+    median absolute deviation of the timed runs from their median; None where not recorded.
     """
 
     name: str
     batch_sizes: tuple[int, ...]
     seconds: tuple[float, ...]
     peak_bytes: tuple[int, ...] | None = None
+    spread: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes:
@@ -44,6 +46,10 @@ class LayerProfile:
             raise ValueError(f"layer {self.name!r}: negative time in {self.seconds}")
         if self.peak_bytes is not None and len(self.peak_bytes) != len(self.batch_sizes):
             raise ValueError(f"layer {self.name!r}: peak_bytes does not match batch_sizes")
+        if self.spread is not None and (
+            len(self.spread) != len(self.batch_sizes) or any(s < 0 for s in self.spread)
+        ):
+            raise ValueError(f"layer {self.name!r}: spread {self.spread} does not match batch_sizes")
 
     def time(self, batch_size: int) -> float:
         """Seconds at `batch_size`, linearly interpolated; outside the measured range it raises."""
@@ -62,7 +68,10 @@ class LayerProfile:
 
 
 def _scaled(layer: LayerProfile, factor: float) -> LayerProfile:
-    return layer if factor == 1.0 else replace(layer, seconds=tuple(s * factor for s in layer.seconds))
+    if factor == 1.0:
+        return layer
+    spread = None if layer.spread is None else tuple(s * factor for s in layer.spread)
+    return replace(layer, seconds=tuple(s * factor for s in layer.seconds), spread=spread)
 
 
 def nondecreasing(values: tuple[float, ...] | list[float]) -> list[float]:
@@ -138,6 +147,9 @@ class CommProfile:
     (freshly written, each in its bucket, see `calibrated`) over what this model predicts for it, where
     that all-reduce is a large enough share of a pass for its bytes to explain the difference;
     elsewhere the difference is `sync_wait_s`: the ranks waiting for each other once a step.
+    `contention` is the share of its speed compute loses beside an all-reduce (0.25: it runs at 75%),
+    as the all-reduce's kernels take multiprocessors and memory bandwidth from it; 0 where not known
+    (and on CPU, where all-reduces do not run beside backward).
     """
 
     link: AlphaBeta = field(
@@ -152,6 +164,14 @@ class CommProfile:
     sync_wait_s: float = 0.0
     halo: AlphaBeta | None = None
     overlap: bool = True
+    contention: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.contention < 1:
+            raise ValueError(
+                f"contention (the share of compute speed lost beside an all-reduce) must be in [0, 1), "
+                f"got {self.contention}"
+            )
 
     def allreduce_time(self, group_size: int, nbytes: float) -> float:
         """Seconds `nbytes` of gradients add to the bucketed all-reduces among `group_size` devices
@@ -221,6 +241,7 @@ class CommProfile:
             "sync_wait_s": self.sync_wait_s,
             "halo": asdict(self.halo) if self.halo else None,
             "overlap": self.overlap,
+            "contention": self.contention,
         }
 
     @classmethod
@@ -237,6 +258,7 @@ class CommProfile:
             sync_wait_s=float(data.get("sync_wait_s", 0.0)),
             halo=AlphaBeta(**data["halo"]) if data.get("halo") else None,
             overlap=bool(data.get("overlap", True)),
+            contention=float(data.get("contention", 0.0)),
         )
 
 
@@ -318,6 +340,7 @@ class Profile:
                 batch_sizes=tuple(p["batch_sizes"]),
                 seconds=tuple(p["seconds"]),
                 peak_bytes=tuple(p["peak_bytes"]) if p.get("peak_bytes") is not None else None,
+                spread=tuple(p["spread"]) if p.get("spread") is not None else None,
             )
             for name, p in data["layers"].items()
         }

@@ -26,8 +26,12 @@ functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1
   placement, in backward order, by `buckets.cut_into_buckets`), a bucket starting once the backward
   of its last layer is done (`BACKWARD_SHARE` of the layer's compute and half its transfers) and the
   bucket before it has been reduced. The step is the later of backward's end and the last
-  all-reduce's; the sync seconds that fit before it are `StepCost.hidden_s`. Contention between an
-  all-reduce and the compute or transfers beside it is not modelled.
+  all-reduce's; the sync seconds that fit before it are `StepCost.hidden_s`.
+- contention (`hidden_sync`): compute beside an all-reduce loses ``comm.contention`` of its speed
+  (the all-reduce's kernels share the device's multiprocessors and memory), so backward ends
+  ``contention`` seconds later per all-reduce second before its end, and the step is the later of
+  that end and the last all-reduce's; what this adds is `StepCost.contention_s`. Transfers beside an
+  all-reduce are not slowed, nor the all-reduce by the compute.
 - concurrency (`scheduled_step`): layers on disjoint ranks (independent branches, ``first > 0``) run
   side by side. Each rank runs its layers' forward in execution order and their backward in reverse,
   a layer starting once all its ranks are free and its inputs (forward) or its consumers' gradients
@@ -81,11 +85,13 @@ class LayerCost:
 class StepCost:
     """Per-layer costs (execution order) and the predicted step time: their sum (`serial_s`) less the
     all-reduce seconds that run beside backward (`hidden_s`, see `hidden_sync`) and the seconds saved
-    by layers on disjoint ranks running side by side (`concurrent_s`, see `scheduled_step`)."""
+    by layers on disjoint ranks running side by side (`concurrent_s`, see `scheduled_step`), plus what
+    the all-reduces beside backward slow it by (`contention_s`)."""
 
     layers: dict[str, LayerCost]
     hidden_s: float = 0.0
     concurrent_s: float = 0.0
+    contention_s: float = 0.0
 
     @property
     def serial_s(self) -> float:
@@ -94,7 +100,7 @@ class StepCost:
 
     @property
     def total_s(self) -> float:
-        return self.serial_s - self.hidden_s - self.concurrent_s
+        return self.serial_s - self.hidden_s - self.concurrent_s + self.contention_s
 
 
 def halo_share(graph: LayerGraph, layer: Layer) -> float:
@@ -360,14 +366,22 @@ def evaluate(
         for layer in graph.layers
     }
     buckets = sync_buckets(graph, placements, layers, synced, profile.comm)
-    hidden = hidden_sync(graph, layers, buckets) if profile.comm.overlap else 0.0
-    step = StepCost(layers, hidden)
+    contention = profile.comm.contention
+    hidden, slowed = hidden_sync(graph, layers, buckets, contention) if profile.comm.overlap else (0.0, 0.0)
+    step = StepCost(layers, hidden, contention_s=slowed)
     if all(placement.first == 0 for placement in placements.values()):
         return step  # every layer shares rank 0: one after the other
     scheduled = scheduled_step(
-        graph, placements, layers, buckets, allreduce, world_size=world_size, overlap=profile.comm.overlap
+        graph,
+        placements,
+        layers,
+        buckets,
+        allreduce,
+        world_size=world_size,
+        overlap=profile.comm.overlap,
+        contention=contention,
     )
-    return StepCost(layers, hidden, max(0.0, step.total_s - scheduled))
+    return StepCost(layers, hidden, max(0.0, step.total_s - scheduled), slowed)
 
 
 def sync_buckets(
@@ -388,10 +402,15 @@ def sync_buckets(
 
 
 def hidden_sync(
-    graph: LayerGraph, layers: Mapping[str, LayerCost], buckets: Sequence[Sequence[str]]
-) -> float:
+    graph: LayerGraph,
+    layers: Mapping[str, LayerCost],
+    buckets: Sequence[Sequence[str]],
+    contention: float = 0.0,
+) -> tuple[float, float]:
     """Sync seconds that run while backward still computes (module docstring, overlap), every layer one
-    after the other: every sync second but those the last all-reduce runs past backward's end."""
+    after the other: every sync second but those the last all-reduce runs past backward's end; and
+    the seconds the step grows by as those all-reduces slow the compute beside them by `contention`
+    (module docstring, contention)."""
     clock = sum((1 - BACKWARD_SHARE) * c.compute_s + c.transfer_s / 2 for c in layers.values())
     done: dict[str, float] = {}
     for layer in reversed(graph.layers):
@@ -399,10 +418,15 @@ def hidden_sync(
         clock += BACKWARD_SHARE * cost.compute_s + cost.transfer_s / 2
         done[layer.name] = clock
     free = 0.0  # when the all-reduce before the next one is done
+    beside = 0.0  # all-reduce seconds before backward's end
     for bucket in buckets:
-        free = max(free, done[bucket[-1]]) + sum(layers[name].sync_s for name in bucket)
+        start = max(free, done[bucket[-1]])
+        free = start + sum(layers[name].sync_s for name in bucket)
+        beside += max(0.0, min(free, clock) - start)
     total = sum(c.sync_s for c in layers.values())
-    return max(0.0, total - max(0.0, free - clock))  # never below 0 from float error in the clocks
+    past = max(0.0, free - clock)
+    # Never below 0 from float error in the clocks.
+    return max(0.0, total - past), max(0.0, contention * beside - past)
 
 
 def scheduled_step(
@@ -414,6 +438,7 @@ def scheduled_step(
     *,
     world_size: int,
     overlap: bool,
+    contention: float = 0.0,
 ) -> float:
     """Seconds of one step with layers on disjoint ranks side by side (module docstring, concurrency).
 
@@ -422,8 +447,10 @@ def scheduled_step(
     bucket before it on those links is done and, with `overlap`, its last layer's backward (without,
     once its ranks' backward is over); the rest of its layers' sync, the message to rank 0, then
     occupies rank 0's link and the first of the bucket's ranks (without `overlap`, once rank 0's
-    backward is over too). Where every layer starts at rank 0 this
-    is the serial step less `hidden_sync`'s seconds (or the serial step, without `overlap`).
+    backward is over too). A rank's backward ends `contention` seconds later per second of
+    communication on its link before that end (module docstring, contention). Where every layer
+    starts at rank 0 this is the serial step less `hidden_sync`'s seconds plus its contention (or the
+    serial step, without `overlap`).
     """
     busy = np.zeros(world_size)  # when each rank's compute is next free
     done: dict[str, float] = {}
@@ -445,19 +472,23 @@ def scheduled_step(
         done[layer.name] = start + BACKWARD_SHARE * cost.compute_s + cost.transfer_s / 2
         busy[ranks] = done[layer.name]
     link = np.zeros(world_size)  # when each rank's link is next free
+    beside = np.zeros(world_size)  # seconds of communication on each rank's link before its backward ends
     for bucket in buckets:
         placement = placements[bucket[0]]
         ranks = _span(placement)
         ready = done[bucket[-1]] if overlap else float(busy[ranks].max())
-        end = max(float(link[ranks].max()), ready) + sum(allreduce[name] for name in bucket)
+        start = max(float(link[ranks].max()), ready)
+        end = start + sum(allreduce[name] for name in bucket)
         link[ranks] = end
+        beside[ranks] += np.clip(np.minimum(end, busy[ranks]) - start, 0.0, None)
         rest = sum(layers[name].sync_s - allreduce[name] for name in bucket)
         if rest > 0:
             pair = [0, placement.first]
             # Without overlap rank 0 takes the message once its own backward is over.
             start = max(float(link[pair].max()), end, 0.0 if overlap else float(busy[0]))
             link[pair] = start + rest
-    return float(max(busy.max(), link.max()))
+            beside[pair] += np.clip(np.minimum(link[pair], busy[pair]) - start, 0.0, None)
+    return float(max((busy + contention * beside).max(), link.max()))
 
 
 def compute_span(

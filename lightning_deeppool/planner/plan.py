@@ -20,6 +20,7 @@ from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import checks, cost
+from lightning_deeppool.planner.margin import Alternative
 from lightning_deeppool.planner.tables import aligned
 
 PLAN_VERSION = 1
@@ -69,6 +70,8 @@ class Plan:
     update of every parameter that rank 0 (which holds every parameter) does each step, and
     `sync_wait_s`, the ranks' wait for each other (see `CommProfile`). `compute_span_s` is the compute
     of one step with such layers side by side (None: the layers' compute one after the other).
+    `alternative` is the best plan of another shape the search weighed it against (None for a plan
+    it did not search: given, or costed from widths).
     """
 
     world_size: int
@@ -84,6 +87,7 @@ class Plan:
     hidden_sync_s: float = 0.0
     concurrent_s: float = 0.0
     compute_span_s: float | None = None
+    alternative: Alternative | None = None
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -140,6 +144,7 @@ class Plan:
             "hidden_sync_s": self.hidden_sync_s,
             **({"concurrent_s": self.concurrent_s} if self.concurrent_s else {}),
             **({"compute_span_s": self.compute_span_s} if self.compute_span_s is not None else {}),
+            **({"alternative": asdict(self.alternative)} if self.alternative is not None else {}),
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
@@ -165,6 +170,7 @@ class Plan:
             hidden_sync_s=float(data.get("hidden_sync_s", 0.0)),
             concurrent_s=float(data.get("concurrent_s", 0.0)),
             compute_span_s=None if data.get("compute_span_s") is None else float(data["compute_span_s"]),
+            alternative=Alternative(**data["alternative"]) if data.get("alternative") else None,
         )
 
     def to_json(self) -> str:
@@ -182,10 +188,11 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
 
-    def table(self) -> str:
+    def table(self, current_weights_bytes: int | None = None) -> str:
         """Aligned text table of the layers, with predicted step time, speedup and idle fraction per rank;
         a ``spatial`` column (parts per sample) when some layer is split by height, a ``ranks`` column
-        (``0-3``, ``2-3``) when some layer does not start at rank 0."""
+        (``0-3``, ``2-3``) when some layer does not start at rank 0; with `current_weights_bytes`, what
+        the strategy's ``current_weights`` sends after each optimizer step."""
         split = any(layer.spatial > 1 for layer in self.layers)
         placed = any(layer.first for layer in self.layers)
         header = (
@@ -239,6 +246,8 @@ class Plan:
             f"{concurrent}",
             "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
         ]
+        if self.alternative is not None:
+            footer.append(self._margin())
         if self.limited:
             shown = ", ".join(self.limited[:6]) + (
                 f" and {len(self.limited) - 6} more" if len(self.limited) > 6 else ""
@@ -247,7 +256,35 @@ class Plan:
                 f"amplification limit {self.amplification_limit:g} kept {len(self.limited)} layers from some "
                 f"widths: {shown}"
             )
+        if current_weights_bytes is not None:
+            footer.append(
+                f"current_weights: rank 0 sends {current_weights_bytes:,} bytes "
+                f"({current_weights_bytes / 2**20:.1f} MiB) after each optimizer step, the weights of "
+                "layers some ranks do not run (not in the predicted step time)"
+            )
         return "\n".join([*aligned([header, *rows], left=2), *footer])
+
+    def _margin(self) -> str:
+        """The footer's line on the best plan of another shape: by how much this one is predicted
+        faster, and how that compares with the layer profiles' spread over what the two differ in."""
+        other = self.alternative
+        assert other is not None
+        margin = other.step_time_s - self.predicted_step_time_s
+        line = (
+            f"margin {margin * 1e3:+.3f} ms ({other.step_time_s / self.predicted_step_time_s:.2f}x) over the "
+            f"best plan of another shape ({other.shape}: {other.step_time_s * 1e3:.3f} ms)"
+        )
+        if other.spread_s is None:
+            return f"{line}; the profile records no spread to judge it by"
+        spread_ms = other.spread_s * 1e3
+        spread = f"the layer profiles' spread over the layers they place differently ({spread_ms:.3f} ms)"
+        if margin <= 0:
+            why = f"within {spread}" if -margin <= other.spread_s else "below the minimum gain"
+            return f"{line}: {why}, so full width was kept"
+        if margin <= other.spread_s:
+            return f"{line}: within {spread}, a near tie that noise could decide"
+        ratio = f"{margin / other.spread_s:.1f}x" if other.spread_s > 0 else "above"
+        return f"{line}: {ratio} {spread}"
 
     def check_matches(self, graph: LayerGraph, world_size: int) -> None:
         """Raise ValueError if the plan was made for another graph or another world size."""
@@ -301,6 +338,20 @@ def validate_plan(plan: Plan, graph: LayerGraph) -> None:
             world_size=plan.world_size,
             global_batch_size=plan.global_batch_size,
         )
+
+
+def placements_for(plan: Plan, graph: LayerGraph) -> dict[str, Placement]:
+    """Each layer of `graph` (the planned forward captured again, for other values it read) at the
+    plan's placement, or at full width where the plan has none (a layer the planned capture did not
+    run); plan layers `graph` lacks are left out. Raises ValueError naming a layer that cannot run at
+    its placement."""
+    planned = plan.placements()
+    found = {layer.name: planned.get(layer.name, Placement(plan.world_size)) for layer in graph.layers}
+    for layer in graph.layers:
+        checks.check_placement(
+            layer, found[layer.name], world_size=plan.world_size, global_batch_size=plan.global_batch_size
+        )
+    return found
 
 
 def plan_with_widths(

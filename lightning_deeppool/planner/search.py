@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from lightning_deeppool.ir.graph import Layer, LayerGraph, under
 from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import branches as branch_regions
-from lightning_deeppool.planner import checks, cost
+from lightning_deeppool.planner import checks, cost, margin
 from lightning_deeppool.planner.plan import Plan, plan_with_widths
 
 # Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
@@ -200,12 +200,17 @@ def search(
     reads them); where the profile has memory, rank 0's estimated bytes stay within
     ``memory_budget_bytes`` (Lagrangian relaxation). When the best plan is predicted to beat every
     unpinned layer at full width (N, or B devices when the batch is smaller: data parallelism) by less
-    than `min_gain` (a fraction), full width is returned (never a plan predicted slower than it);
+    than `min_gain` (a fraction), or by no more than the layer profiles' spread over the layers the two
+    place differently (`margin.spread_between`), full width is returned (never a plan predicted slower
+    than it);
     otherwise each run of layers of one placement is widened (to full width, else to a neighbouring
     run's placement: more devices, or as many with fewer spatial parts) while the predicted step stays
-    within `tie_tolerance` of the best. With `branches`, independent branches may then run side by side
-    on disjoint ranks (`side_by_side`), kept only where they gain more than `tie_tolerance` and the
-    plan still beats full width by `min_gain`; ``branches=False`` places every layer from rank 0.
+    within `tie_tolerance` of the best, or within that spread of it. With `branches`, independent
+    branches may then run side by side on disjoint ranks (`side_by_side`), kept only where they gain
+    more than `tie_tolerance` and the plan still beats full width by `min_gain`; ``branches=False``
+    places every layer from rank 0.
+    The plan's `alternative` is the best plan of another shape beside it (`_alternative`), which its
+    table's footer compares it with.
     """
     checks.check_sizes(world_size, global_batch_size, graph)
     checks.check_profile(graph, profile)
@@ -236,7 +241,8 @@ def search(
                 "(GPU), or drop the memory budget"
             )
         choice = _fit_memory(tables, memory_budget_bytes, max_states)
-    placements = {layer.name: tables.placements[i] for layer, i in zip(graph.layers, choice, strict=True)}
+    found = {layer.name: tables.placements[i] for layer, i in zip(graph.layers, choice, strict=True)}
+    placements = found
     sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     if memory_budget_bytes is None:
         placements = _prefer_wide(graph, profile, tables, placements, min_gain, tie_tolerance, **sizes)
@@ -252,9 +258,71 @@ def search(
             memory_budget_bytes=memory_budget_bytes,
             **sizes,
         )
-    return plan_with_widths(
+    plan = plan_with_widths(
         graph, profile, placements, amplification_limit=amplification_limit, limited=tables.limited, **sizes
     )
+    return replace(plan, alternative=_alternative(graph, profile, tables, placements, found, **sizes))
+
+
+def _alternative(
+    graph: LayerGraph,
+    profile: Profile,
+    tables: _Tables,
+    chosen: dict[str, Placement],
+    found: dict[str, Placement],
+    *,
+    world_size: int,
+    global_batch_size: int,
+) -> margin.Alternative | None:
+    """The best plan of another shape than `chosen`: full width (data parallelism) beside any other
+    plan; beside full width, the plan the DP found where it was not full width, else the best plan
+    with one layer placed otherwise (`_one_layer_changed`). None where no layer can change."""
+    widest = Placement(min(world_size, global_batch_size))
+    full = _full_width(tables, graph, widest)
+    other: dict[str, Placement] | None
+    if full is not None and full != chosen:
+        other = full
+    elif found != chosen:
+        other = found
+    else:
+        other = _one_layer_changed(tables, chosen)
+    if other is None:
+        return None
+    step = cost.evaluate(graph, profile, other, world_size=world_size, global_batch_size=global_batch_size)
+    return margin.Alternative(
+        margin.describe(graph, other, widest),
+        step.total_s + profile.per_step_s,
+        margin.spread_between(graph, profile, chosen, other, global_batch_size),
+    )
+
+
+def _one_layer_changed(tables: _Tables, chosen: dict[str, Placement]) -> dict[str, Placement] | None:
+    """`chosen` with the one layer placed otherwise that adds the least to the step the DP minimizes
+    (its own cost and its moves from and to its neighbours where `chosen` places them); None where
+    no layer has another allowed placement or `chosen` places one outside the candidates."""
+    index = {p: i for i, p in enumerate(tables.placements)}
+    if any(placement not in index for placement in chosen.values()):
+        return None
+    at = [index[chosen[name]] for name in tables.names]
+    column = [int(np.flatnonzero(allowed == i)[0]) for allowed, i in zip(tables.allowed, at, strict=True)]
+    position = {name: k for k, name in enumerate(tables.names)}
+    added = [tables.own[k] - tables.own[k][column[k]] for k in range(len(tables.names))]
+    for k, layer_edges in enumerate(tables.edges):
+        for producer, matrix in layer_edges:
+            p = position[producer]
+            added[k] = added[k] + matrix[at[p]] - matrix[at[p], column[k]]
+            added[p] = added[p] + matrix[tables.allowed[p], column[k]] - matrix[at[p], column[k]]
+    best: tuple[float, int, int] | None = None
+    for k, seconds in enumerate(added):
+        others = seconds.copy()
+        others[column[k]] = np.inf
+        j = int(np.argmin(others))
+        if np.isfinite(others[j]) and (best is None or others[j] < best[0]):
+            best = (float(others[j]), k, j)
+    if best is None:
+        return None
+    _, k, j = best
+    return {**chosen, tables.names[k]: tables.placements[int(tables.allowed[k][j])]}
 
 
 def _prefer_wide(
@@ -268,8 +336,10 @@ def _prefer_wide(
     world_size: int,
     global_batch_size: int,
 ) -> dict[str, Placement]:
-    """Full width if the best plan gains less than `min_gain` over it, else the best plan with each
-    run of one placement widened while it stays within `tie_tolerance` of the best (see `search`)."""
+    """Full width if the best plan gains less than `min_gain` over it, or no more than the layer
+    profiles' spread over the layers the two place differently (`margin.spread_between`), else the
+    best plan with each run of one placement widened while it stays within `tie_tolerance` of the
+    best, or within that spread of it (see `search`)."""
 
     def step(candidate: dict[str, Placement]) -> float:
         total = cost.evaluate(
@@ -277,11 +347,18 @@ def _prefer_wide(
         )
         return total.total_s + profile.per_step_s
 
+    def tied(candidate: dict[str, Placement], candidate_s: float) -> bool:
+        """No more than the layer profiles' spread over what it places otherwise than the best."""
+        spread = margin.spread_between(graph, profile, found, candidate, global_batch_size) or 0.0
+        return candidate_s - best <= spread
+
     widest = Placement(min(world_size, global_batch_size))
-    best = step(placements)
+    found, best = placements, step(placements)
     full = _full_width(tables, graph, widest)
-    if full is not None and full != placements and best > (1 - min_gain) * step(full):
-        return full
+    if full is not None and full != placements:
+        full_s = step(full)
+        if best > (1 - min_gain) * full_s or tied(full, full_s):
+            return full
     allowed = {
         layer.name: {tables.placements[i] for i in indices}
         for layer, indices in zip(graph.layers, tables.allowed, strict=True)
@@ -294,7 +371,8 @@ def _prefer_wide(
             if _breadth(option) <= _breadth(current) or any(option not in allowed[name] for name in run):
                 continue
             trial = {**placements, **dict.fromkeys(run, option)}
-            if step(trial) <= (1 + tie_tolerance) * best:
+            trial_s = step(trial)
+            if trial_s <= (1 + tie_tolerance) * best or tied(trial, trial_s):
                 placements = trial
                 break
     return placements

@@ -214,8 +214,9 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
         f"alone); the ranks' wait for each other, {comm.sync_wait_s * 1e3:.3f} ms a step as measured, at "
         "every device count",
         _overlap(comm),
-        "not modelled: contention between concurrent transfers, or between communication and compute; "
-        "topology (one link model for every pair of devices)",
+        _optimizer(profile),
+        "not modelled: contention between concurrent transfers, or of transfers with compute; topology "
+        "(one link model for every pair of devices)",
     ]
     if any(spatial_summary(p.plan) for p in projections):
         lines.append(
@@ -234,10 +235,22 @@ def assumptions(profile: Profile, projections: Sequence[Projection]) -> str:
 def _overlap(comm: CommProfile) -> str:
     if not comm.overlap:
         return "gradient all-reduces after backward, not beside it (as on CPU ranks, whose cores do both)"
+    slowed = (
+        f"; compute beside them at {1 - comm.contention:.0%} of its speed"
+        if comm.contention
+        else "; compute beside them not slowed"
+    )
     return (
         "gradient all-reduces beside backward: a bucket starts once its last layer's backward "
-        f"({cost.BACKWARD_SHARE:.0%} of the layer's profiled time) and the bucket before it are done"
+        f"({cost.BACKWARD_SHARE:.0%} of the layer's profiled time) and the bucket before it are done" + slowed
     )
+
+
+def _optimizer(profile: Profile) -> str:
+    if not profile.optimizer_s:
+        return "no optimizer update (the profile has none)"
+    update_ms = profile.optimizer_s * 1e3
+    return f"the optimizer update: {update_ms:.3f} ms a step (the profile's), alike for every plan"
 
 
 def _describe(link: AlphaBeta) -> str:

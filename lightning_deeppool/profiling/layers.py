@@ -136,8 +136,9 @@ def _profile_layer(
     repeats: int,
     device: torch.device,
 ) -> LayerProfile:
-    """Median time per batch size over `repeats` rounds that each time every size once: a stretch of
-    a slower machine lands on every size alike instead of on one of them."""
+    """Median time per batch size, and the runs' spread about it (`LayerProfile.spread`), over
+    `repeats` rounds that each time every size once: a stretch of a slower machine lands on every size
+    alike instead of on one of them."""
     params = dict(captured.module.named_parameters())
     trainable = [params[p] for p in captured.layer_params[name] if params[p].requires_grad]
     runs, peaks = [], []
@@ -156,7 +157,8 @@ def _profile_layer(
             times[position].append(_failing_as(name, b, functools.partial(_timed_once, run, leaves, device)))
     measured_peaks = tuple(p for p in peaks if p is not None)
     seconds = tuple(statistics.median(t) for t in times)
-    return LayerProfile(name, tuple(sizes), seconds, measured_peaks or None)
+    spread = tuple(statistics.median(abs(x - m) for x in t) for t, m in zip(times, seconds, strict=True))
+    return LayerProfile(name, tuple(sizes), seconds, measured_peaks or None, spread)
 
 
 def time_whole_model(
