@@ -76,3 +76,15 @@ def test_a_bucket_launches_inside_backward_before_the_next_buckets_gradients_arr
     assert fresh_at_first_layer[0] & {"1.weight", "1.bias"} == set()  # the last layer's bucket left
     assert "0.weight" in fresh_at_first_layer[0]
     assert sync.fresh() == set()  # the first layer's bucket launched where the backward ended
+
+
+def test_without_bucket_views_each_gradient_keeps_a_storage_of_its_own():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    params = dict(layer.named_parameters())
+    sync = GradSync(params, GroupMessages(), 1, [Bucket(0, (0,), tuple(params))], bucket_view=False)
+    x = torch.randn(5, 4)
+    _backward(layer, sync, x)
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+    assert layer.bias.grad.untyped_storage().data_ptr() != layer.weight.grad.untyped_storage().data_ptr()
+    assert torch.equal(layer.weight.grad, _plain(x, 1)["weight"])

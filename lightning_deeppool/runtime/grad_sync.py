@@ -17,7 +17,9 @@ are final, so the all-reduce overlaps the rest of the backward, always in bucket
 parameter's hook (autograd has accumulated every gradient before it by then) or where the stage's
 backward ends. How a bucket is summed is the messages' choice (`comm.messages`): an asynchronous
 all-reduce over the bucket's group, or, over local links, an exchange at launch (on busy CPU cores,
-launching gloo's asynchronous all-reduce alone blocked for 2 ms).
+launching gloo's asynchronous all-reduce alone blocked for 2 ms). With a DDP communication hook
+(`comm_hook`), every bucket summed over more than one rank goes through the hook instead, over its
+group, on any device.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from lightning_deeppool.comm.messages import Messages, Posted
 from lightning_deeppool.lowering.schedule import Bucket, Schedule
+from lightning_deeppool.runtime.comm_hook import HookedSums, PlanGradBucket
 
 
 class GradSync:
@@ -40,7 +43,9 @@ class GradSync:
     parameters (only this rank runs them) by division, `world` parameters (used outside the planned
     forward) over every rank; then moves the summed gradients of `to_rank_zero` (`Schedule.to_rank_zero`)
     between rank 0 and their first rank. `uses` counts the layers using each parameter: a shared one is
-    final only at its bucket's schedule `sync`, not at its first hook."""
+    final only at its bucket's schedule `sync`, not at its first hook. `comm_hook` sums buckets where
+    given; `bucket_view` (DDP's `gradient_as_bucket_view`) makes gradients views into their bucket's
+    storage, else each keeps its own and the bucket is a copy."""
 
     def __init__(
         self,
@@ -54,10 +59,14 @@ class GradSync:
         to_rank_zero: Mapping[int, Sequence[str]] | None = None,
         uses: Mapping[str, int] | None = None,
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
+        comm_hook: HookedSums | None = None,
+        bucket_view: bool = True,
     ) -> None:
         self.params = params
         self.messages = messages
         self.world_size = world_size
+        self.comm_hook = comm_hook
+        self.bucket_view = bucket_view
         self._assign([Bucket(b.index, b.ranks, tuple(b.params)) for b in buckets], list(alone), list(world))
         self._to_rank_zero = {peer: list(names) for peer, names in (to_rank_zero or {}).items()}
         self.waiting = waiting
@@ -239,11 +248,23 @@ class GradSync:
             flat, parts = self._gathered(names)
         else:
             parts = [(name, None) for name in names]
-        flat.div_(self.world_size)
-        work = self.messages.sum(flat, ranks, self.waiting) if len(ranks) > 1 else None
+        work: Posted | None
+        if self.comm_hook is not None and len(ranks) > 1:
+            work = self.comm_hook.sum(flat, ranks, self._grad_bucket(flat, names, position))
+        else:
+            flat.div_(self.world_size)
+            work = self.messages.sum(flat, ranks, self.waiting) if len(ranks) > 1 else None
         self._fresh.difference_update(names)
         self._in_flight.update(names)
         self._pending.append((work, flat, parts))
+
+    def _grad_bucket(self, flat: torch.Tensor, names: list[str], position: int | None) -> PlanGradBucket:
+        """`flat` as a hook sees it: bucket `position` of this rank's, or after them the parameters
+        reduced over the world. The last is this rank's last bucket, which every step reduces (the
+        world's parameters get gradients only where some rank uses them outside forward)."""
+        index = len(self.buckets) if position is None else position
+        last = max(len(self.buckets) - 1, 0)
+        return PlanGradBucket(index, flat, [self.params[n] for n in names], index == last)
 
     def _gathered(self, names: list[str]) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor | None]]]:
         """The gradients' new contributions in one flat tensor, and each one's part set aside."""
@@ -264,11 +285,12 @@ class GradSync:
         """The flat storage of bucket `position`, its gradients made views into it (copied in where
         autograd made them anew, as after `zero_grad(set_to_none=True)`), so that no gradient is copied
         back after the sum; DDP's buckets do the same. None where the bucket is not reduced whole:
-        some gradient missing or with a part set aside, a single one (reduced in place), or
-        parameters of different dtypes, devices or non-contiguous layouts."""
+        some gradient missing or with a part set aside, a single one (reduced in place), parameters
+        of different dtypes, devices or non-contiguous layouts, or gradients not bucket views."""
         params = [self.params[n] for n in names]
         if (
-            len(names) < 2
+            not self.bucket_view
+            or len(names) < 2
             or names != list(self.buckets[position].params)
             or any(n in self._set_aside for n in names)
             or len({(p.dtype, p.device) for p in params}) > 1

@@ -34,6 +34,7 @@ from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
 from lightning_deeppool.strategy.call_agreement import CallAgreement
+from lightning_deeppool.strategy.ddp_options import bucket_size_mb, check_ddp_kwargs, comm_hook
 from lightning_deeppool.strategy.forward_calls import ForwardCalls
 from lightning_deeppool.strategy.hooks import (
     RefreshForEvaluation,
@@ -92,6 +93,19 @@ class DeepPoolStrategy(DDPStrategy):
         branches: the automatic plan may run independent branches (an Inception block's, a two-tower
             model's towers) side by side on disjoint sets of devices; ``False`` keeps every layer on
             devices 0..width-1.
+        current_weights: after each optimizer step, rank 0 sends every rank the weights of the layers
+            that rank does not run, so that user code reading weights on every rank (a hand-written EMA,
+            a weight norm logged with ``sync_dist=True``) sees DDP's values; off, those weights hold NaN
+            there between refreshes (the plan's footer prints what it sends).
+        gradient_as_bucket_view: DDP's: gradients are views into their all-reduce bucket (``None``,
+            deeppool's default: ``True``); ``False`` keeps each gradient in its own tensor.
+        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: ``DDPStrategy``'s communication hook, applied
+            to each of deeppool's gradient buckets with the bucket's own process group, on every
+            device (Lightning's DDP applies it on CUDA only).
+        model_averaging_period, **kwargs: the rest of ``DDPStrategy``'s options and the
+            ``DistributedDataParallel`` arguments it forwards (``find_unused_parameters``,
+            ``static_graph``, ``bucket_cap_mb``, ...): honoured, accepted or refused as the README's
+            "Switching from DDP" says.
     """
 
     strategy_name = "deeppool"
@@ -114,14 +128,21 @@ class DeepPoolStrategy(DDPStrategy):
         check_every_n_steps: int = 100,
         compile_layers: bool | Mapping[str, Any] = False,
         branches: bool = True,
+        current_weights: bool = False,
+        gradient_as_bucket_view: bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
+        model_averaging_period: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
         if check_every_n_steps < 0:
             raise ValueError(f"check_every_n_steps must be >= 0, got {check_every_n_steps}")
@@ -136,16 +157,24 @@ class DeepPoolStrategy(DDPStrategy):
             raise TypeError(
                 f"plan must be None, a plan file path or a mapping of pins, got {type(plan).__name__}"
             )
+        check_ddp_kwargs(kwargs)
+        hook = comm_hook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            **kwargs,  # LightningCLI resolves them through DDPStrategy to DistributedDataParallel
         )
+        bucket_mb = bucket_size_mb(bucket_mb, DEFAULT_BUCKET_BYTES / 2**20, kwargs.get("bucket_cap_mb"))
         options = PlanOptions(
             amplification_limit=float(amplification_limit),
             plan_source=dict(plan) if isinstance(plan, Mapping) else plan,
@@ -160,6 +189,9 @@ class DeepPoolStrategy(DDPStrategy):
             bucket_bytes=int(bucket_mb * 2**20),
             shared_batch=shared_batch,
             branches=branches,
+            comm_hook=hook,
+            bucket_view=gradient_as_bucket_view is not False,
+            current_weights=current_weights,
         )
         self.module_name = module
         self.idle_windows = IdleWindows()
@@ -175,6 +207,7 @@ class DeepPoolStrategy(DDPStrategy):
         self._refresh_for_evaluation = RefreshForEvaluation(self._refresh_parameters)
         self._trainer_callbacks: list[pl.Callback] = []
         self._failed_collective: str | None = None  # the hook that issued a collective that failed
+        self._unheld_after_fit: dict[int, list[str]] = {}  # see `_unheld`
         self.measured_step_time_s: float | None = None
         self.measured_work_time_s: float | None = None  # the plan's part of it (see `report`)
 
@@ -332,6 +365,9 @@ class DeepPoolStrategy(DDPStrategy):
         if self._calls is not None:
             self._calls.close()
             self._calls = None
+        if connected and self.session.installed is not None:
+            unheld = self._unheld()
+            self._unheld_after_fit = {rank: unheld(rank) for rank in range(self.world_size)} if unheld else {}
         if self._gather is not None:
             self._gather.close()
             self._gather = None
@@ -464,13 +500,33 @@ class DeepPoolStrategy(DDPStrategy):
     # Lightning's own collectives (`self.log(sync_dist=True)`, `self.all_gather`, ...) block too.
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        unheld = self._unheld()
+        # Before the reduction, which may write its result into `tensor`.
+        finite = torch.isfinite(tensor).all() if unheld and isinstance(tensor, torch.Tensor) else None
         with self._collective("reduce"):
             result = super().reduce(tensor, *args, **kwargs)
-        installed = self.session.installed
-        stale = self._calls is not None and self._calls.stale_anywhere
-        if stale and installed is not None and isinstance(result, torch.Tensor):
-            check_reduced(tensor, result, installed, getattr(self.lightning_module, "_current_fx_name", None))
+        if unheld is not None and finite is not None and isinstance(result, torch.Tensor):
+            check_reduced(finite, result, unheld, self._reducing_in())
         return result
+
+    def _unheld(self) -> Callable[[int], list[str]] | None:
+        """The parameters each rank holds as NaN (its copies of them too: an EMA of the weights), under
+        this fit's plan or, after a fit, the last one's; None where every rank's are current."""
+        installed = self.session.installed
+        if installed is None:
+            after_fit = self._unheld_after_fit
+            return (lambda rank: after_fit.get(rank, [])) if after_fit else None
+        if not installed.narrow or self.session.options.current_weights:
+            return None
+        return installed.not_held
+
+    def _reducing_in(self) -> str | None:
+        """The hook a reduction is issued from, or the loop whose epoch end reduces logged values."""
+        hook = getattr(self.lightning_module, "_current_fx_name", None)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if hook is not None or trainer is None or trainer.state.stage is None:
+            return hook
+        return f"the end of the {trainer.state.stage.value} epoch (values logged with on_epoch=True)"
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

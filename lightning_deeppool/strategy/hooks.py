@@ -17,26 +17,29 @@ from lightning_deeppool.install import InstalledPlan
 
 
 def check_reduced(
-    tensor: torch.Tensor, result: torch.Tensor, installed: InstalledPlan, hook: str | None
+    finite: torch.Tensor, result: torch.Tensor, not_held: Callable[[int], list[str]], hook: str | None
 ) -> None:
     """Raise on every rank if a value reduced across ranks (`result`, the same on every rank) is not
-    finite because a rank computed it (`tensor`) from layers it does not run, which hold NaN there
-    between refreshes. Every rank takes the same branch; a host sync, only while such layers are NaN."""
+    finite because a rank computed it (its value before the reduction was `finite`, or not) from the
+    parameters it does not hold (`not_held`), which hold NaN there between refreshes (as does any copy
+    taken of them then), while rank 0's, which holds every parameter, is finite. Every rank takes the
+    same branch; a host sync, under plans with such layers."""
     if bool(torch.isfinite(result).all()):
         return
-    mine = not bool(torch.isfinite(tensor).all())
+    mine = not bool(finite)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    readers = [r for r, bad in enumerate(every) if bad and not installed.owns_everything(r)]
-    if readers:
-        unheld = "; ".join(f"rank {r} does not hold {installed.not_held(r)[:6]}" for r in readers)
+    readers = [r for r, bad in enumerate(every) if bad and not_held(r)]
+    if readers and not every[0]:
+        unheld = "; ".join(f"rank {r} does not hold {not_held(r)[:6]}" for r in readers)
         raise RuntimeError(
             f"deeppool: a value reduced across ranks in {hook or 'a hook'} (self.log(..., sync_dist=True), "
             f"say) is NaN because ranks {readers} computed it from parameters of layers they do not run "
-            f"({unheld}), which no rank keeps current "
-            "there between refreshes (they hold NaN until validation or the end of fit). Compute "
-            "such values on rank 0, which holds every parameter (self.log(..., rank_zero_only=True) "
-            "or `if self.trainer.is_global_zero:`), or pin those layers to every device"
+            f"({unheld}), or from a copy of them (an EMA of the weights, say): those ranks hold them as "
+            "NaN between each optimizer step and the next refresh (validation, the end of fit). Set "
+            "DeepPoolStrategy(current_weights=True) to send them to every rank after each optimizer "
+            "step, or compute such values on rank 0, which holds every parameter "
+            "(self.log(..., rank_zero_only=True) or `if self.trainer.is_global_zero:`)"
         )
 
 
@@ -64,8 +67,9 @@ def check_decision(
             f"deeppool: the ranks decided differently in {hook or 'a callback'} (EarlyStopping or "
             f"ModelCheckpoint, say) while ranks that do not run every layer logged values that are not "
             f"finite ({found}): values computed from weights of layers they do not run, which hold NaN "
-            "there between refreshes. Log such values with sync_dist=True, or compute them in "
-            "validation_step, which runs after every rank gets rank 0's weights"
+            "there between refreshes. Log such values with sync_dist=True, compute them in "
+            "validation_step, which runs after every rank gets rank 0's weights, or set "
+            "DeepPoolStrategy(current_weights=True) to keep every rank's weights current"
         )
 
 
