@@ -11,7 +11,9 @@ time's growth from 8 to 24 layers over 16.
 A separate, untimed run of each configuration counts what one steady-state step calls, by call site
 (the first frame outside torch): collectives of `torch.distributed`, the ranks' meetings
 (`CallAgreement`), round trips to the process group's key-value store, and the host reads of tensor
-values (`item`, `tolist`, `__bool__`, `cpu`, `numpy`) that on a GPU wait for the device.
+values (`item`, `tolist`, `__bool__`, `cpu`, `numpy`) that on a GPU wait for the device; and the time
+a step spends checking what its captured forward depended on (`ModuleState.current`: module values
+and forward hooks, read at every planned call).
 
     python benchmarks/host_overhead.py [--depths 8 24] [--runs 5] [--steps 300]
 
@@ -29,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool
+from lightning_deeppool.capture.state import ModuleState
 from lightning_deeppool.strategy.call_agreement import CallAgreement
 
 from vs_ddp import FIXED_MALLOC, StepTimer, quiet_trainer
@@ -87,6 +91,18 @@ class Counts:
     def __init__(self) -> None:
         self.counting = False
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.guard_s = 0.0
+
+    def timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            if self.counting:
+                self.guard_s += time.perf_counter() - start
+            return result
+
+        return timed
 
     def wrap(self, kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
@@ -121,6 +137,7 @@ def instrument(counts: Counts) -> None:
         for name in STORE_CALLS:
             setattr(store, name, counts.wrap(f"store {name}", getattr(store, name)))
     CallAgreement._meet = counts.wrap("meeting", CallAgreement._meet)  # type: ignore[method-assign]
+    ModuleState.current = counts.timed(ModuleState.current)  # type: ignore[method-assign]
 
 
 class _CountSteadySteps(pl.Callback):
@@ -159,6 +176,7 @@ def run_one(config: str, depth: int, steps: int, count: bool, out: Path) -> None
         result["per_step"] = {
             f"{kind} @ {site}": n / COUNTED for (kind, site), n in sorted(counts.calls.items())
         }
+        result["guard_us_per_step"] = counts.guard_s / COUNTED * 1e6
     out.with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -177,6 +195,7 @@ def measure(depths: list[int], runs: int, steps: int) -> dict[str, Any]:
     """Alternating timed runs of every configuration at every depth, then one counted run of each."""
     times: dict[str, dict[int, list[float]]] = {c: {d: [] for d in depths} for c in CONFIGS}
     counted: dict[str, dict[str, float]] = {}
+    guards: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(runs):
             for depth in depths:
@@ -190,6 +209,7 @@ def measure(depths: list[int], runs: int, steps: int) -> dict[str, Any]:
         for config in CONFIGS:
             ranks = _launch(config, max(depths), steps, True, Path(tmp) / f"{config}-counted", tmp)
             counted[config] = ranks[0]["per_step"]
+            guards[config] = ranks[0]["guard_us_per_step"]
     summary: dict[str, Any] = {
         "setup": f"2 CPU ranks (1 thread each), gloo, Linear({WIDTH}, {WIDTH}) layers, {LOCAL_BATCH} samples "
         f"per rank, {steps} steps a run (median after {WARMUP}), {runs} alternating runs",
@@ -203,6 +223,7 @@ def measure(depths: list[int], runs: int, steps: int) -> dict[str, Any]:
                 (median[max(depths)] - median[min(depths)]) / (max(depths) - min(depths)) * 1e3
             )
         entry[f"per_step_at_{max(depths)}_layers"] = counted[config]
+        entry[f"guard_us_per_step_at_{max(depths)}_layers"] = guards[config]
         summary["configs"][config] = entry
     return summary
 
@@ -216,14 +237,22 @@ def markdown_table(summary: dict[str, Any]) -> str:
     configs = summary["configs"]
     depths = sorted(int(d) for d in next(iter(configs.values()))["step_time_ms"])
     kinds = ("collective", "meeting", "store", "host read")
-    head = " | ".join([*(f"step, {d} layers" for d in depths), "per layer", *(f"{k}s / step" for k in kinds)])
-    lines = [f"| configuration | {head} |", "| --- |" + " ---: |" * (len(depths) + 1 + len(kinds))]
+    head = " | ".join(
+        [
+            *(f"step, {d} layers" for d in depths),
+            "per layer",
+            *(f"{k}s / step" for k in kinds),
+            "guard checks / step",
+        ]
+    )
+    lines = [f"| configuration | {head} |", "| --- |" + " ---: |" * (len(depths) + 2 + len(kinds))]
     for config, entry in configs.items():
         steps = [f"{entry['step_time_ms'][str(d)]:.2f} ms" for d in depths]
         slope = f"{entry['per_layer_us']:.0f} us" if "per_layer_us" in entry else "-"
         calls = entry[f"per_step_at_{max(depths)}_layers"]
         totals = [f"{sum(n for key, n in calls.items() if key.startswith(kind)):g}" for kind in kinds]
-        lines.append(f"| {config.replace('_', ' ')} | {' | '.join([*steps, slope, *totals])} |")
+        guard = f"{entry.get(f'guard_us_per_step_at_{max(depths)}_layers', 0.0):.1f} us"
+        lines.append(f"| {config.replace('_', ' ')} | {' | '.join([*steps, slope, *totals, guard])} |")
     return "\n".join(lines)
 
 

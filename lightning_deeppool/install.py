@@ -25,17 +25,18 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, capture_graph
 from lightning_deeppool.capture.codegen import Compiler
+from lightning_deeppool.capture.state import call_key
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
 from lightning_deeppool.comm.groups import PlanGroups
 from lightning_deeppool.comm.messages import GroupMessages, connect_local_links
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.lowering.schedule import Schedule, build_schedule
-from lightning_deeppool.planner.plan import Plan, validate_plan
+from lightning_deeppool.planner.plan import Plan, placements_for
 from lightning_deeppool.planner.search import search
 from lightning_deeppool.profiling.cache import default_cache_dir
 from lightning_deeppool.profiling.on_ranks import profile_on_ranks
-from lightning_deeppool.runtime.call import shapes_digest
+from lightning_deeppool.runtime.comm_hook import CommHook
 from lightning_deeppool.runtime.grad_sync import GradSync
 from lightning_deeppool.runtime.idle import IdleWindows, ScheduleWindows
 from lightning_deeppool.runtime.runtime import BurstRuntime
@@ -43,6 +44,9 @@ from lightning_deeppool.runtime.shared_batch import checksum
 from lightning_deeppool.runtime.unheld import UnheldGradients
 
 UNPLANNED = "<unplanned>."
+# Distinct sets of the values forward reads (module values, non-tensor arguments), each captured once,
+# before a fit stops (a value that changes at every step would capture at every step).
+MAX_STATES = 16
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class PlanOptions:
     bucket_bytes: int
     shared_batch: bool = False
     branches: bool = True
+    comm_hook: CommHook | None = None  # sums the gradient buckets (DDP's communication hook)
+    bucket_view: bool = True  # gradients are views into their bucket (DDP's gradient_as_bucket_view)
+    current_weights: bool = False  # every rank's copy of the layers it does not run is sent after each step
 
     def plan_path(self, log_dir: str | None) -> Path | None:
         """Where rank 0 writes the plan: `save_plan`, else the run's log directory, else nowhere."""
@@ -106,8 +113,10 @@ def install(
         env = captured.bind(args, kwargs)
         profile = _profile(options, captured, env, global_batch, device, optimizers)
         plan = _search(options, captured, profile, global_batch)
-        _save(plan, options.plan_path(log_dir()))
+        sent = _current_weights_bytes(plan, captured, world_size) if options.current_weights else None
+        _save(plan, options.plan_path(log_dir()), sent)
     plan.check_matches(captured.graph, world_size)
+    on_every_rank(lambda: _check_hooks(captured))  # a data-parallel plan runs its first step planned too
     installed = InstalledPlan.build(
         root,
         captured,
@@ -117,6 +126,8 @@ def install(
         bucket_bytes=options.bucket_bytes,
         shared_batch=options.shared_batch,
         reads_gradients=reads_gradients,
+        comm_hook=options.comm_hook,
+        bucket_view=options.bucket_view,
     )
     installed.profile = profile
     return installed
@@ -132,12 +143,12 @@ def capture_shape(
     src: int | None = None,
 ) -> None:
     """Capture `target`'s forward again on this call's batch (rank `src`'s, if given), whose per-sample
-    shapes no earlier capture had, and run the installed plan on that graph from now on: not profiled or
-    planned again. Collective."""
+    shapes or module values no earlier capture had, and run the installed plan on that graph from now
+    on: not profiled or planned again. Collective."""
     if src is not None:
         args, kwargs = _broadcast_call(args, kwargs, src, installed.runtime.device)
     captured = _capture(options, target, args, kwargs, compiler)
-    on_every_rank(lambda: installed.add_shape(captured))
+    on_every_rank(lambda: installed.add_graph(captured))
 
 
 def _capture(
@@ -206,11 +217,29 @@ def _search(options: PlanOptions, captured: CapturedGraph, profile: Profile, glo
     )
 
 
-def _save(plan: Plan, path: Path | None) -> None:
-    """Rank 0 prints the plan and writes it to `path`."""
+def _current_weights_bytes(plan: Plan, captured: CapturedGraph, world_size: int) -> int:
+    """The bytes `InstalledPlan.send_unheld` sends after each optimizer step: the trainable
+    parameters that only layers below full width use."""
+    full_width = Placement(world_size)
+    placements = plan.placements()
+    narrow: set[str] = set()
+    everywhere: set[str] = set()
+    for layer, names in captured.layer_params.items():
+        (everywhere if placements.get(layer, full_width) == full_width else narrow).update(names)
+    params = dict(captured.module.named_parameters(remove_duplicate=False))
+    return sum(
+        params[name].numel() * params[name].element_size()
+        for name in narrow - everywhere
+        if params[name].requires_grad
+    )
+
+
+def _save(plan: Plan, path: Path | None, current_weights_bytes: int | None = None) -> None:
+    """Rank 0 prints the plan (with what `current_weights` sends per step, where it is on) and writes it
+    to `path`."""
     if dist.get_rank() != 0:
         return
-    print(plan.table(), flush=True)
+    print(plan.table(current_weights_bytes), flush=True)
     if path is not None:
         plan.save(path)
         print(f"deeppool: plan written to {path}", flush=True)
@@ -229,15 +258,15 @@ class InstalledPlan:
     names: dict[int, str]  # parameter id -> name in the gradient synchronisation
     owners: dict[str, tuple[int, ...]]  # name -> the ranks that hold it (rank 0 among them)
     unheld_gradients: UnheldGradients | None  # where the user reads gradients
-    param_bytes: dict[str, int]  # planned parameter name -> bytes
     bucket_bytes: int
     profile: Profile | None = None  # what planned it, where it was planned in this fit
     settled: bool = False
-    # digest of per-sample shapes and dtypes (`shapes_digest`) -> the graph captured at them, its
-    # schedule and runtime
-    _shapes: dict[int, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
+    # `CapturedGraph.key` (per-sample shapes and dtypes, module values) -> the graph captured for it,
+    # its schedule and runtime
+    _graphs: dict[int, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
     _narrow: bool | None = None  # `narrow`, asked after every optimizer step: known until owners change
+    _planned_structure: str = ""  # of the graph the plan was made for
 
     @classmethod
     def build(
@@ -251,9 +280,12 @@ class InstalledPlan:
         bucket_bytes: int,
         shared_batch: bool = False,
         reads_gradients: bool = False,
+        comm_hook: CommHook | None = None,
+        bucket_view: bool = True,
     ) -> InstalledPlan:
         """Lower `plan` to this rank's schedule and build its groups, messages, gradient
-        synchronisation and runtime. Collective."""
+        synchronisation (through `comm_hook` over the plan's groups, where given) and runtime.
+        Collective."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
         params, unplanned = _parameters(root, captured)
         param_bytes = {name: p.numel() * p.element_size() for name, p in params.items()}
@@ -278,6 +310,8 @@ class InstalledPlan:
             world=list(unplanned),
             uses=uses,
             waiting=windows.window,
+            comm_hook=comm_hook.over(groups, world_size) if comm_hook is not None else None,
+            bucket_view=bucket_view,
         )
         runtime = BurstRuntime(
             captured,
@@ -307,55 +341,115 @@ class InstalledPlan:
             names,
             owners,
             unheld,
-            param_bytes,
             bucket_bytes,
         )
-        installed._shapes[shapes_digest(captured.samples)] = (captured, schedule, runtime)
+        installed._graphs[captured.key] = (captured, schedule, runtime)
+        installed._planned_structure = captured.graph.structure
         return installed
 
-    def use_shape(self, samples: list[Any]) -> bool:
-        """Switch to the graph captured at these per-sample shapes and dtypes, where one was (else
-        False: capture it, `capture_shape`)."""
-        found = self._shapes.get(shapes_digest(samples))
+    def use_graph(self, key: int) -> bool:
+        """Switch to the graph captured for calls whose rows carry `key` (`prepare`d on the current
+        graph), where one was (else False: capture it, `capture_shape`)."""
+        found = self._graph_for(key)
         if found is not None:
             self.captured, self.schedule, self.runtime = found
         return found is not None
 
-    def runtime_at(self, shapes: int) -> BurstRuntime | None:
-        """The runtime of the graph captured at the per-sample shapes of digest `shapes`, if any."""
-        found = self._shapes.get(shapes)
+    def runtime_at(self, key: int) -> BurstRuntime | None:
+        """The runtime of the graph captured for calls whose rows carry `key`, if any."""
+        found = self._graph_for(key)
         return found[2] if found is not None else None
 
-    def add_shape(self, captured: CapturedGraph) -> None:
-        """Run the plan on `captured` (the planned forward captured at other per-sample shapes) from now
-        on. Raises ValueError, naming what differs, if its structure is not the planned one or a layer
-        can no longer run at its placement (fewer rows than parts)."""
-        if captured.graph.structure != self.captured.graph.structure:
-            before = {layer.name for layer in self.captured.graph.layers}
-            new = [layer.name for layer in captured.graph.layers if layer.name not in before]
-            detail = f"new layers {new[:5]}" if new else "the same layers with other operations or inputs"
+    def _graph_for(self, key: int) -> tuple[CapturedGraph, Schedule, BurstRuntime] | None:
+        """A row's key holds the values the current graph's forward read; each graph read its own (one
+        that ran a layer only some shapes use read that layer's too): the graph whose shapes and
+        arguments give `key` with those values, and whose own values are as it found them."""
+        if key == self.captured.key:
+            return self._graphs[key]
+        now = self.captured.state.current()
+        for found in self._graphs.values():
+            graph = found[0]
+            if call_key(graph.samples, (now, graph.call.read)) == key and graph.key == call_key(
+                graph.samples, (graph.state.current(), graph.call.read)
+            ):
+                return found
+        return None
+
+    def add_graph(self, captured: CapturedGraph) -> None:
+        """Run the plan on `captured` (the planned forward captured again, at other per-sample shapes or
+        for other values it read) from now on. Layers the plan has no width for (a block that joins
+        forward from some step on, another task's head) run at full width on every rank's own samples,
+        their parameters (used nowhere in the planned capture, so held by every rank) averaged over
+        every rank, as DDP does. Raises ValueError, naming what differs, where such a layer uses a
+        parameter that only some ranks hold, a layer can no longer run at its placement (fewer rows
+        than parts), or the values forward read have taken more than `MAX_STATES` sets."""
+        states = {(g.state.captured, g.call.read) for g, _, _ in self._graphs.values()}
+        states.add((captured.state.captured, captured.call.read))
+        moved = self.captured.state.changes(self.captured.state.current()) + [
+            f"argument {before!r} -> {after!r}"
+            for before, after in zip(self.captured.call.read, captured.call.read)
+            if before != after
+        ]
+        where = f"with {'; '.join(moved[:4])}" if moved else f"at per-sample shapes {captured.samples}"
+        if len(states) > MAX_STATES:
             raise ValueError(
-                f"deeppool: at per-sample shapes {captured.samples} the planned forward has another "
-                f"structure than at {self.captured.samples} ({detail}), so the plan cannot run it. "
-                "Pad inputs to one shape, or keep forward's layers the same at every shape"
+                f"deeppool: the module values and non-tensor arguments forward reads took {len(states)} "
+                f"different sets of values in this fit (now {where}), and each needs its own capture. Keep "
+                "such values fixed during training (a counter read in forward that changes every step), or "
+                "read them outside forward"
             )
+        _check_hooks(captured)
+        planned = self.plan.widths()
+        new = [layer.name for layer in captured.graph.layers if layer.name not in planned]
+        if new:
+            captured = self._unplanned_layers(captured, new, where)
         try:
-            validate_plan(self.plan, captured.graph)
+            placements = placements_for(self.plan, captured.graph)
         except ValueError as err:
-            raise ValueError(
-                f"deeppool: the plan cannot run at per-sample shapes {captured.samples}: {err}"
-            ) from err
+            raise ValueError(f"deeppool: the plan cannot run the forward {where}: {err}") from err
         schedule = build_schedule(
             captured.graph,
-            self.plan.placements(),
+            placements,
             captured.layer_params,
-            self.param_bytes,
+            {name: p.numel() * p.element_size() for name, p in self.grad_sync.params.items()},
             self.schedule.world_size,
             self.bucket_bytes,
         )
         self.captured, self.schedule = captured, schedule
         self.runtime = self.runtime.for_shape(captured, schedule)
-        self._shapes[shapes_digest(self.captured.samples)] = (captured, schedule, self.runtime)
+        # Buckets may launch during backward only where they are the plan's own.
+        self.runtime.overlap = captured.graph.structure == self._planned_structure
+        self._graphs[captured.key] = (captured, schedule, self.runtime)
+
+    def _unplanned_layers(self, captured: CapturedGraph, new: list[str], where: str) -> CapturedGraph:
+        """`captured` with the parameters of its layers `new` (which the plan has no width for) named as
+        the gradient synchronisation knows them. Raises ValueError if one is held by some ranks only."""
+        held = {name: self.names[id(p)] for name, p in captured.module.named_parameters()}
+        narrow = [
+            f"{layer} uses {name}"
+            for layer in new
+            for name in captured.layer_params.get(layer, ())
+            if len(self.owners[held[name]]) < self.schedule.world_size
+        ]
+        if narrow:
+            raise ValueError(
+                f"deeppool: {where} the planned forward runs layers the plan has no width for ({new[:5]}), "
+                f"and they use parameters only some ranks hold ({narrow[:3]}), so they cannot run at full "
+                "width. Give forward the same layers whatever those values are (run a layer always, scaled "
+                "by 0, rather than only from some step on), or pin the layers that share those parameters "
+                "to full width"
+            )
+        layer_params = {
+            layer: [held[name] if layer in new else name for name in names]
+            for layer, names in captured.layer_params.items()
+        }
+        if dist.get_rank() == 0:
+            print(
+                f"deeppool: {where} forward runs layers the plan has no width for ({', '.join(new[:5])}): "
+                "they run at full width, their gradients averaged over every rank as DDP does",
+                flush=True,
+            )
+        return dataclasses.replace(captured, layer_params=layer_params)
 
     @functools.cached_property
     def data_parallel(self) -> bool:
@@ -386,6 +480,34 @@ class InstalledPlan:
             for name in self.not_held(rank):
                 if params[name].is_floating_point():
                     params[name].fill_(float("nan"))
+
+    def send_unheld(self) -> None:
+        """Give every rank rank 0's values of the trainable parameters it does not hold (after an
+        optimizer step: rank 0 holds every parameter), one message per rank and dtype, on the plan's
+        own messages. Collective."""
+        rank, params = dist.get_rank(), self.grad_sync.params
+        receivers = range(1, dist.get_world_size()) if rank == 0 else (rank,)
+        parts: dict[int, dict[torch.dtype, list[torch.Tensor]]] = {}
+        for r in receivers:
+            for name in self.not_held(r):
+                if params[name].requires_grad:
+                    parts.setdefault(r, {}).setdefault(params[name].dtype, []).append(params[name])
+        messages = self.grad_sync.messages
+        with torch.no_grad():
+            for dtype in sorted({d for by_dtype in parts.values() for d in by_dtype}, key=str):
+                if rank == 0:
+                    outgoing = {
+                        r: torch.cat([t.reshape(-1) for t in by_dtype[dtype]])
+                        for r, by_dtype in parts.items()
+                        if dtype in by_dtype
+                    }
+                    messages.post(outgoing, {}).wait()
+                    continue
+                tensors = parts[rank][dtype]
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+                messages.post({}, {0: flat}).wait()
+                for t, values in zip(tensors, flat.split([t.numel() for t in tensors])):
+                    t.copy_(values.view_as(t))
 
     def check_replicas(self) -> None:
         """Raise on every rank if the ranks that hold a parameter hold different values of it: the
@@ -511,6 +633,19 @@ def _broadcast_call(
     box = [pytree.tree_map(to_cpu, (args, kwargs)) if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return pytree.tree_map(to_device, box[0])
+
+
+def _check_hooks(captured: CapturedGraph) -> None:
+    """Forward hooks would not run under the plan: the runtime runs the graph, not the modules' calls
+    (a data-parallel plan too, at its first step)."""
+    if captured.state.hooks:
+        raise ValueError(
+            f"deeppool: forward hooks are registered on modules of the planned forward "
+            f"({list(captured.state.hooks)[:3]}): the plan runs the captured graph, not the modules' calls, "
+            "so a hook would not see the tensors it computes and its side effects (an activation kept "
+            "for a loss, a statistic) would be lost. Return the value from forward (or compute it in "
+            "training_step from forward's output), or remove the hook before training"
+        )
 
 
 def _check_shareable(captured: CapturedGraph) -> None:

@@ -28,8 +28,20 @@ def run_example(args, cwd):
 def test_quickstart_prints_the_plan_and_ends_with_held_out_accuracy(tmp_path):
     out = run_example([EXAMPLES / "quickstart.py", "--max-steps", "5"], tmp_path)
     assert "predicted step time" in out and "idle fraction per rank" in out
+    assert "over the best plan of another shape" in out
     assert re.fullmatch(r"held-out accuracy: [01]\.\d{3}", out.strip().splitlines()[-1])
     assert (tmp_path / "outputs" / "quickstart" / "deeppool_plan.json").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_compares_measured_step_times_with_lightnings_ddp(tmp_path):
+    out = run_example([EXAMPLES / "quickstart.py", "--max-steps", "10", "--compare-ddp"], tmp_path)
+    assert "held-out accuracy" in out
+    assert re.fullmatch(
+        r"measured median step time over 10 steps: deeppool \d+\.\d{3} ms, Lightning's DDP \d+\.\d{3} ms: "
+        r"speedup \d+\.\d{2}x \(predicted \d+\.\d{2}x\)",
+        out.strip().splitlines()[-1],
+    )
 
 
 @pytest.mark.slow
@@ -60,6 +72,44 @@ def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):
     plan = tmp_path / "outputs" / "cli" / "deeppool_plan.json"
     assert "predicted step time" in out and plan.exists()
     assert Plan.load(plan).width("head") == 1  # pinned in the YAML
+
+
+DDP_CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_steps: 3
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning.pytorch.strategies.DDPStrategy
+    init_args:
+      find_unused_parameters: true
+      static_graph: true
+      gradient_as_bucket_view: true
+      bucket_cap_mb: 10
+      broadcast_buffers: false
+      ddp_comm_hook: torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook
+model:
+  channels: 8
+  hidden: 64
+"""
+
+
+@pytest.mark.slow
+def test_a_lightningcli_config_written_for_ddp_runs_with_only_its_class_path_changed(tmp_path):
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(DDP_CONFIG)
+    printed = run_example([EXAMPLES / "cli.py", "fit", "--config", ddp, "--print_config"], tmp_path)
+    assert "find_unused_parameters: true" in printed  # a config DDPStrategy takes
+    deeppool = tmp_path / "deeppool.yaml"
+    deeppool.write_text(
+        DDP_CONFIG.replace("lightning.pytorch.strategies.DDPStrategy", "lightning_deeppool.DeepPoolStrategy")
+    )
+    out = run_example([EXAMPLES / "cli.py", "fit", "--config", deeppool], tmp_path)
+    assert "predicted step time" in out
 
 
 @pytest.mark.floors

@@ -252,6 +252,52 @@ class BatchNormResNet(Classifier):
         return self.head(y.flatten(1))
 
 
+class SpectralNormMLP(Classifier):
+    """A discriminator-style MLP whose hidden layers carry `parametrizations.spectral_norm`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        norm = nn.utils.parametrizations.spectral_norm
+        self.body = nn.Sequential(norm(nn.Linear(192, 32)), nn.ReLU(), norm(nn.Linear(32, 32)), nn.ReLU())
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x.flatten(1)))
+
+
+class SpectralMixing(nn.Module):
+    """A Fourier neural operator's spectral convolution: complex weights on the lowest modes of rfft2."""
+
+    def __init__(self, channels: int, modes: int) -> None:
+        super().__init__()
+        self.modes = modes
+        scale = 1 / channels
+        self.weight = nn.Parameter(scale * torch.randn(channels, channels, modes, modes, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.fft.rfft2(x)
+        low = torch.einsum("bixy,ioxy->boxy", f[:, :, : self.modes, : self.modes], self.weight)
+        out = torch.zeros_like(f)
+        out[:, :, : self.modes, : self.modes] = low
+        return torch.fft.irfft2(out, s=x.shape[-2:])
+
+
+class FourierOperator(Classifier):
+    """A lift, one Fourier block (spectral mixing plus a pointwise convolution) and a linear head."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lift = nn.Conv2d(3, 8, 1)
+        self.spectral = SpectralMixing(8, 3)
+        self.pointwise = nn.Conv2d(8, 8, 1)
+        self.head = nn.Linear(8 * 8 * 8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lift(x)
+        h = F.gelu(self.spectral(h) + self.pointwise(h))
+        return self.head(h.flatten(1))
+
+
 # ------------------------------------------------------------------------------------- patterns
 class TwoViews(ConvNet):
     """Two forwards per step, on the input and on a flipped copy (a two-view / siamese loss)."""
@@ -630,6 +676,8 @@ CASES: dict[str, Case] = {
         {2: {"": 2, "head": 1, "block2.0": 1}, 3: {"": 3, "head": 1, "block2.0": 2, "block1.0": 1}},
         reference="ddp",
     ),
+    "spectral-norm-parametrization": Case(SpectralNormMLP, images, _pins("head", "body.2")),
+    "fourier-operator-complex-weights": Case(FourierOperator, images, _pins("head", "spectral")),
     "two-forwards-per-step": Case(TwoViews, images, _pins("head", "features.2")),
     "two-forwards-accumulate": Case(
         TwoViews, images, _pins("head", "features.0"), trainer={"accumulate_grad_batches": 2}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.check import check_per_sample, check_replay
@@ -32,6 +33,7 @@ from lightning_deeppool.capture.graph import (
 from lightning_deeppool.capture.layers import cut_into_layers
 from lightning_deeppool.capture.outputs import register_containers
 from lightning_deeppool.capture.record import GuardError, trace_by_recording
+from lightning_deeppool.capture.state import record_state, watch_strings
 from lightning_deeppool.capture.trace import CaptureError, Trace
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta, take_samples
 
@@ -61,14 +63,27 @@ def capture_graph(
     capture. `granularity` is ``"layer"`` (operations without parameters join the layer they follow)
     or ``"module"`` (a layer per submodule call). The layers run through `compiler` (the module was
     compiled as a whole), or the compiler of the submodule they belong to where `torch.compile` wrapped
-    one. Raises `CaptureError` naming the construct that failed and what to do.
+    one. Modules with parametrizations (`torch.nn.utils.parametrize`: spectral or weight norm) are
+    leaf modules too: their weight is computed when read, which export does not trace. Raises
+    `CaptureError` naming the construct that failed and what to do.
     """
+    leaf_modules = _with_parametrized(module, leaf_modules)
     # Captured without autocast, the graph holds no precision casts: under mixed precision each
     # operation is cast when it runs, as in eager.
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     with torch.autocast(device_type, enabled=False):
         captured = _capture(module, example_args, example_kwargs or {}, leaf_modules, granularity)
     return dataclasses.replace(captured, compilers=_compilers(module, compiler))
+
+
+def _with_parametrized(module: nn.Module, leaf_modules: Sequence[str]) -> tuple[str, ...]:
+    """`leaf_modules` and the outermost parametrized modules not inside one of them."""
+    found = list(leaf_modules)
+    for path, submodule in module.named_modules():
+        inside = any(path == leaf or path.startswith(f"{leaf}.") for leaf in found)
+        if path and not inside and parametrize.is_parametrized(submodule):
+            found.append(path)
+    return tuple(found)
 
 
 def _compilers(module: nn.Module, compiler: Compiler | None) -> tuple[tuple[str, Compiler], ...]:
@@ -92,15 +107,21 @@ def _capture(
     signature = inspect.signature(type(module).forward.__get__(module))
     mapping = _distinct(call_mapping(signature, example_args, example_kwargs))
     _check_arguments(module, mapping)
+    _check_sparse_gradients(module)
     if _samples(mapping) == 1:  # export specializes a dimension of size 1: show it two samples
         mapping = take_samples(mapping, 2)
+    leaves, spec = pytree.tree_flatten(mapping)
+    watched, touched = watch_strings(leaves)  # a string forward never uses does not pick the graph
+    strings = any(isinstance(leaf, str) for leaf in leaves)
+    run_on = pytree.tree_unflatten(watched, spec) if strings else mapping
     try:
-        with torch.enable_grad(), preserved(module):
-            outputs = type(module).forward(module, **mapping)
+        with torch.enable_grad(), preserved(module), record_state(module) as recorded:
+            outputs = type(module).forward(module, **run_on)
     except Exception as err:
         raise CaptureError(
             f"running {type(module).__name__}.forward on the example batch failed: {err}"
         ) from err
+    state = recorded[0]
     register_containers(outputs)
     _check_outputs(module, outputs)
     trace = _trace(module, mapping, leaf_modules)
@@ -109,8 +130,10 @@ def _capture(
         spec=trace.input_spec,
         constants=tuple(trace.constants),
         names=tuple(trace.leaf_names),
+        unread=frozenset(i for i, leaf in enumerate(leaves) if isinstance(leaf, str) and i not in touched),
     )
     captured = _with_input_grads(cut_into_layers(trace, call, granularity), call, mapping)
+    captured = dataclasses.replace(captured, state=state)
     check_replay(captured, module, mapping)
     check_per_sample(captured, module, mapping)
     return captured
@@ -199,6 +222,16 @@ def _samples(mapping: dict[str, Any]) -> int:
     return next(
         leaf.shape[0] for leaf in pytree.tree_leaves(mapping) if isinstance(leaf, torch.Tensor) and leaf.dim()
     )
+
+
+def _check_sparse_gradients(module: nn.Module) -> None:
+    sparse = [path for path, m in module.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise CaptureError(
+            f"{sparse[:3]} produce sparse gradients (nn.Embedding(sparse=True)), which deeppool's gradient "
+            "buckets, flat dense tensors, cannot hold. Use sparse=False (plain SGD then makes the same "
+            "update), or train this model with strategy='ddp'"
+        )
 
 
 def _check_outputs(module: nn.Module, outputs: Any) -> None:

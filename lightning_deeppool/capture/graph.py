@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.codegen import CompiledLayer, Compiler, compilable
+from lightning_deeppool.capture.state import ModuleState, call_key
 from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.ir.graph import LayerGraph, under
@@ -41,16 +42,27 @@ Evaluate = Callable[[dict[str, Any]], tuple[Any, ...]]  # node values read -> th
 
 @dataclass(frozen=True)
 class CallSignature:
-    """How a call's arguments become graph inputs: bind to `signature`, flatten, match `spec` and the
-    non-tensor leaves (`constants`) the forward was captured with."""
+    """How a call's arguments become graph inputs: bind to `signature`, flatten, match `spec`; the
+    non-tensor leaves (`constants`) the forward was captured with pick the graph, except those at
+    positions `unread` (strings the graph does not depend on, such as file names in a batch dict)."""
 
     signature: inspect.Signature
     spec: pytree.TreeSpec
     constants: tuple[Any, ...]
     names: tuple[str | None, ...]  # per leaf: its graph input, None for non-tensor leaves
+    unread: frozenset[int] = frozenset()
 
     def mapping(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         return call_mapping(self.signature, args, kwargs)
+
+    @functools.cached_property
+    def read(self) -> tuple[Any, ...]:
+        """The non-tensor leaves the graph was captured for (`unread` ones left out)."""
+        return tuple(
+            c
+            for i, (c, name) in enumerate(zip(self.constants, self.names))
+            if name is None and i not in self.unread
+        )
 
 
 @dataclass
@@ -63,7 +75,8 @@ class CapturedGraph:
     each batch input, as seen on the example batch. `guards` are the nodes that check branches the
     forward took at capture (with the nodes they read, in graph order), run once per call.
     `stochastic` and `batch_statistics` say whether the graph draws random numbers or normalizes by
-    batch statistics.
+    batch statistics. `state` is what else the forward read (module values, forward hooks): a call
+    where it differs needs another graph.
     """
 
     module: fx.GraphModule
@@ -81,6 +94,7 @@ class CapturedGraph:
     stochastic: bool = False
     batch_statistics: bool = False
     compilers: tuple[tuple[str, Compiler], ...] = ()
+    state: ModuleState = field(default_factory=ModuleState)
     _compiled: dict[str, Evaluate] = field(default_factory=dict, init=False, repr=False, compare=False)
     _stages: dict[tuple[tuple[str, ...], tuple[str, ...]], Evaluate | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -93,9 +107,28 @@ class CapturedGraph:
         leaves = [self.meta[name].leaves[0] for name in self.batch_inputs]
         return [(leaf.shape, leaf.dtype) for leaf in leaves]
 
+    @functools.cached_property
+    def key(self) -> int:
+        """What a call must match to run this graph: its per-sample shapes and the module values
+        forward read (`call_key` of them at capture)."""
+        return call_key(self.samples, (self.state.captured, self.call.read))
+
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Graph inputs of a call: ``{input name: tensor}``. Raises ValueError naming what differs
-        from the captured call (structure or a non-tensor argument)."""
+        from the captured call (structure, or a non-tensor argument the graph was captured for)."""
+        env, read = self.split(args, kwargs)
+        for expected, leaf in zip(self.call.read, read):
+            if leaf is not expected and leaf != expected:
+                raise ValueError(
+                    f"forward was captured with the argument value {expected!r} and is now called with "
+                    f"{leaf!r}, which needs another capture"
+                )
+        return env
+
+    def split(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """Graph inputs of a call, and its non-tensor arguments at the positions the graph was captured
+        for (`CallSignature.read`). Raises ValueError if the call's structure differs from the captured
+        one's."""
         mapping = self.call.mapping(args, kwargs)
         leaves, spec = pytree.tree_flatten(mapping)
         if spec != self.call.spec:
@@ -103,19 +136,15 @@ class CapturedGraph:
                 f"forward was captured for arguments structured as {self.call.spec} and is now called with "
                 f"{spec}; deeppool replays the captured forward, so every call must pass the same arguments"
             )
-        env = {}
-        for leaf, expected, name in zip(leaves, self.call.constants, self.call.names):
+        env, read = {}, []
+        for i, (leaf, name) in enumerate(zip(leaves, self.call.names)):
             if name is not None:
                 if not isinstance(leaf, torch.Tensor):
                     raise ValueError(f"forward argument {name!r} was a tensor at capture and is now {leaf!r}")
                 env[name] = leaf
-            elif leaf is not expected and leaf != expected:
-                raise ValueError(
-                    f"forward was captured with the argument value {expected!r} and is now called with "
-                    f"{leaf!r}; deeppool replays the captured forward, so non-tensor arguments must not "
-                    "change"
-                )
-        return env
+            elif i not in self.call.unread:
+                read.append(leaf)
+        return env, tuple(read)
 
     def run_layer(
         self, name: str, values: Mapping[str, Any], batch_size: int, scalars: Mapping[str, Any]

@@ -7,7 +7,6 @@ the rows are then exchanged (where the ranks meet in the call agreement, or by a
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -15,14 +14,16 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_deeppool.capture import CapturedGraph, GuardError
+from lightning_deeppool.capture.state import call_key, digest
 from lightning_deeppool.runtime.shared_batch import checksum, shares
 
 OK, GUARD_FAILED, INVALID = 0, 1, 2
 
 
 class Row(NamedTuple):
-    """What a rank shows the others of its call: its samples, digests of its per-sample shapes and
-    dtypes and of its other arguments (scalars, which inputs require grad), whether it can run (`OK`,
+    """What a rank shows the others of its call: its samples, the digest of what picks its graph
+    (`call_key`: per-sample shapes and dtypes, the module values forward reads), the digest of its other
+    arguments (scalars, which inputs require grad, the module values), whether it can run (`OK`,
     `GUARD_FAILED`, `INVALID`) and, for a shared batch, the data's checksum."""
 
     samples: int
@@ -39,9 +40,12 @@ class Call:
     batch: dict[str, torch.Tensor]
     scalars: dict[str, Any]
     input_grads: dict[str, bool]
-    arguments: str  # the scalars' values and which inputs require grad, as text
+    arguments: str  # the scalars' values, which inputs require grad and the module values, as text
     row: Row
     error: Exception | None = None
+    # what picks the graph besides shapes: the module values forward reads (`ModuleState.current`) and
+    # the non-tensor arguments the graph was captured for (`CallSignature.read`)
+    state: tuple[Any, ...] = ()
 
     @property
     def samples(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -58,20 +62,11 @@ def _per_sample(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], t
     return [(tuple(t.shape[1:]), t.dtype) for t in batch.values()]
 
 
-def shapes_digest(samples: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """The digest of per-sample shapes and dtypes that a `Row` carries."""
-    return _digest(repr([(tuple(shape), dtype) for shape, dtype in samples]))
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "big")
-
-
 def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any], *, shared: bool) -> Call:
     """Bind a call and summarize it. A call that cannot run is marked `INVALID` (its error kept
     for this rank to raise) rather than raised here: the other ranks learn of it from the row."""
     try:
-        inputs = captured.bind(args, kwargs)
+        inputs, read = captured.split(args, kwargs)
         batch = {name: inputs[name] for name in captured.batch_inputs}
         scalars = {name: inputs[name] for name in captured.scalar_inputs}
         training = torch.is_grad_enabled()
@@ -86,10 +81,12 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
             raise ValueError(f"batch inputs disagree on the number of samples: {sorted(found)}")
     except (TypeError, ValueError) as err:
         return Call({}, {}, {}, "", Row(0, 0, 0, INVALID, 0), err)
+    state = (captured.state.current(), read)
     arguments = repr(
         (
             [v.tolist() if isinstance(v, torch.Tensor) else v for v in scalars.values()],
             sorted(input_grads.items()),
+            state,
         )
     )
     outcome, error = OK, None
@@ -98,8 +95,8 @@ def prepare(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, An
     except GuardError as err:
         outcome, error = GUARD_FAILED, err
     data = checksum(list(batch.values())) if shared else 0
-    row = Row(found.pop(), shapes_digest(_per_sample(batch)), _digest(arguments), outcome, data)
-    return Call(batch, scalars, input_grads, arguments, row, error)
+    row = Row(found.pop(), call_key(_per_sample(batch), state), digest(arguments), outcome, data)
+    return Call(batch, scalars, input_grads, arguments, row, error, state)
 
 
 def without_samples(captured: CapturedGraph, call: Call, device: torch.device) -> Call:
@@ -109,16 +106,17 @@ def without_samples(captured: CapturedGraph, call: Call, device: torch.device) -
         name: torch.empty((0, *shape), dtype=dtype, device=device)
         for name, (shape, dtype) in zip(captured.batch_inputs, captured.samples)
     }
-    return Call(batch, call.scalars, call.input_grads, call.arguments, call.row)
+    return Call(batch, call.scalars, call.input_grads, call.arguments, call.row, state=call.state)
 
 
-def new_shape(call: Call, every_row: Sequence[Sequence[int]], captured_samples: list[Any]) -> bool:
-    """Whether every rank can make the call, with the same per-sample shapes and arguments, but at
-    per-sample shapes or dtypes other than the captured ones: the same answer on every rank."""
+def new_shape(call: Call, every_row: Sequence[Sequence[int]], captured: CapturedGraph) -> bool:
+    """Whether every rank can make the call, with the same per-sample shapes and arguments, but needs
+    another graph than `captured` (other per-sample shapes or dtypes, or other module values read by
+    forward): the same answer on every rank."""
     rows = [Row(*row) for row in every_row]
     same = len({(row.shapes, row.arguments) for row in rows}) == 1
     agreed = all(row.outcome == OK for row in rows) and same
-    return agreed and call.samples != captured_samples
+    return agreed and call.row.shapes != captured.key
 
 
 def shape_groups(every_row: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -150,8 +148,9 @@ def check(call: Call, every_row: Sequence[Sequence[int]], *, shared: bool) -> tu
         raise GuardError(f"deeppool: a captured branch no longer holds on ranks {failed[GUARD_FAILED]}")
     if len({row.arguments for row in rows}) > 1:
         raise ValueError(
-            "deeppool: ranks called the planned forward with different arguments (scalar tensors, or "
-            "inputs that require grad on some ranks only); every rank's call must pass the same ones "
+            "deeppool: ranks called the planned forward with different arguments (scalar tensors, "
+            "inputs that require grad on some ranks only, or values forward reads from the modules, such "
+            "as a training flag set on some ranks only); every rank's call must pass the same ones "
             f"(this rank's call: {call.signature})"
         )
     if shared and len({(row.samples, row.shapes, row.checksum) for row in rows}) > 1:

@@ -50,6 +50,7 @@ class _CallState:
     leaves: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] | None = None  # the graph's buffers as the call found them, if kept
     _layouts: dict[Placement, Layout] = field(default_factory=dict)  # shared by calls of these counts
 
     def layout(self, placement: Placement) -> Layout:
@@ -96,6 +97,7 @@ class BurstRuntime:
         self.last_step: _CallState | None = None
         self.running: Action | None = None  # the action a failure stopped the schedule at, if any
         self._last_pass = False
+        self.overlap = True  # buckets may launch during backward (its schedule's are the synchronisation's)
         self._meta: dict[tuple[Any, ...], dict[str, ValueMeta]] = {}
         self._layouts: dict[tuple[int, ...], dict[Placement, Layout]] = {}  # per counts, as steps repeat
         self._stage_params = [  # each once, as a hook fires once per gradient
@@ -131,9 +133,10 @@ class BurstRuntime:
         return [Row(*t.tolist()) for t in gathered]
 
     def fits(self, call: Call, rows: Sequence[Sequence[int]]) -> bool:
-        """False where every rank's row agrees on a call at other per-sample shapes than this runtime's
-        (the same answer on every rank): the call needs the graph captured at its shapes."""
-        return not new_shape(call, rows, self.captured.samples)
+        """False where every rank's row agrees on a call that needs another graph than this runtime's
+        (other per-sample shapes, or other module values read by forward; the same answer on every
+        rank): the call needs the graph captured for it."""
+        return not new_shape(call, rows, self.captured)
 
     def for_shape(self, captured: CapturedGraph, schedule: Schedule) -> BurstRuntime:
         """A runtime for the same plan's graph captured at other per-sample shapes, sharing this one's
@@ -154,7 +157,7 @@ class BurstRuntime:
         """Run a prepared call, given every rank's row of it (raises on every rank if one cannot run).
         Every rank's batch has this runtime's per-sample shapes (else `run_shapes`)."""
         counts = check(call, rows, shared=self.shared)
-        if len(shape_groups(rows)) > 1 or call.samples != self.captured.samples:
+        if len(shape_groups(rows)) > 1 or call.row.shapes != self.captured.key:
             raise ValueError(
                 f"deeppool: a call at per-sample shapes {call.samples} reached the runtime of the graph "
                 f"captured at {self.captured.samples}; please report this to lightning-deeppool"
@@ -186,6 +189,8 @@ class BurstRuntime:
         )
         for name, value in batch.items():
             step.values[(name, self.home)] = value
+        if self.keep_last_step:  # the first call's check evaluates each layer from the same buffers
+            step.buffers = {name: b.detach().clone() for name, b in self.captured.module.named_buffers()}
         self._run(step, self.schedule.forward)
         self.last_step = step if self.keep_last_step else None
         return step
@@ -370,7 +375,7 @@ class BurstRuntime:
             if grad is not None:
                 _accumulate(step, (name, self.home), i, grad, len(step.meta[name].leaves))
         step.accumulate = accumulate
-        self.grad_sync.arm(self._last_pass and accumulate)
+        self.grad_sync.arm(self._last_pass and accumulate and self.overlap)
         self._last_pass = False
         self._run(step, self.schedule.backward)
 

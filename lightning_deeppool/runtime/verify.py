@@ -32,6 +32,11 @@ def first_difference(captured: CapturedGraph, step: Any, inputs: dict[str, Any])
     scalars = {name: inputs[name] for name in captured.scalar_inputs}
     count = next(iter(batch.values())).shape[0]
     with torch.no_grad(), preserved(captured.module):
+        # From the buffers the call found: a layer may update its own as it runs (spectral norm's).
+        for name, buffer in captured.module.named_buffers():
+            before = step.buffers.get(name) if step.buffers else None
+            if before is not None and not torch.equal(before, buffer):
+                buffer.copy_(before)
         reference = captured.run_all(batch, count, scalars)
     # A layer split by height holds only its rows here: its values are checked by the layers reading it.
     planned = {

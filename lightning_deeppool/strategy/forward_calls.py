@@ -122,7 +122,7 @@ class ForwardCalls:
         if len(shape_groups(rows)) > 1:
             return self._at_shapes(installation, call, rows, args, kwargs)
         if not installation.runtime.fits(call, rows):
-            call = self._at_shape(installation, call.samples, args, kwargs)
+            call = self._at_shape(installation, call.row.shapes, args, kwargs)
         runtime = installation.runtime
         runtime.keep_last_step = runtime not in self._verified
         outputs = runtime.run(call, rows)
@@ -132,11 +132,12 @@ class ForwardCalls:
         return outputs
 
     def _at_shape(
-        self, installation: InstalledPlan, samples: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, installation: InstalledPlan, key: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Call:
-        """The call, prepared for the graph captured at its per-sample shapes `samples` (captured now, on
-        every rank, where none was): the plan is kept. Collective when it captures."""
-        if not installation.use_shape(samples):
+        """The call, prepared for the graph captured for its `key` (its per-sample shapes and the module
+        values forward reads; captured now, on every rank, where none was): the plan is kept. Collective
+        when it captures."""
+        if not installation.use_graph(key):
             with own_forward(self.target):
                 self.session.capture_shape(installation, self.target, args, kwargs)
         return installation.runtime.prepare(args, kwargs)
@@ -209,7 +210,8 @@ class ForwardCalls:
                 f"Rank {rank} updates only the layers it runs, so its copy of the others is out of date "
                 "until validation or the end of fit. "
                 "Make that call on rank 0 (`if trainer.is_global_zero:`), which holds every parameter, "
-                "or in validation_step"
+                "or in validation_step, or set DeepPoolStrategy(current_weights=True) to keep every rank's "
+                "copy current"
             )
         outputs = self._original(*args, **kwargs)
         if not torch.is_grad_enabled():
@@ -264,9 +266,16 @@ class ForwardCalls:
         self.session.sync(optimizer)
 
     def after_optimizer_step(self) -> None:
-        """Layers a rank does not run went stale there: held as NaN until the next refresh."""
+        """Layers a rank does not run went stale there: sent to it where `current_weights` asks, else
+        held as NaN until the next refresh."""
         installation = self.session.installed
-        if installation is None or not installation.narrow or self.stale_anywhere:
+        if installation is None or not installation.narrow:
+            return
+        if self.session.options.current_weights:
+            with self.session.idle.window("current_weights"):
+                installation.send_unheld()
+            return
+        if self.stale_anywhere:
             return
         self.stale_anywhere = True
         rank = self.session.fit.rank

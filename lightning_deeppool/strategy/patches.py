@@ -48,10 +48,16 @@ SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 def sync_buffers(module: nn.Module) -> None:
     """Rank 0's buffers (BatchNorm's running statistics, say) to every rank, in buckets as
-    `sync_module_states` broadcasts them (collective; none where the module has none)."""
+    `sync_module_states` broadcasts them (collective; none where the module has none). Only buffers
+    whose values differ are written: a backward still to run may have saved the others."""
     buffers = [buffer.detach() for buffer in module.buffers()]
-    if buffers:
-        _sync_params_and_buffers(_get_default_group(), buffers, BROADCAST_BUCKET_BYTES, 0)
+    if not buffers:
+        return
+    received = [buffer.clone() for buffer in buffers]
+    _sync_params_and_buffers(_get_default_group(), received, BROADCAST_BUCKET_BYTES, 0)
+    for buffer, value in zip(buffers, received):
+        if not torch.equal(buffer, value):
+            buffer.copy_(value)
 
 
 def take_compiler(module: pl.LightningModule) -> Compiler | None:

@@ -19,6 +19,7 @@ from lightning_deeppool.install import Compiler, InstalledPlan, PlanOptions, cap
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.runtime.idle import IdleWindows
+from lightning_deeppool.strategy.patches import sync_buffers
 from lightning_deeppool.strategy.step_times import StepTimes
 
 
@@ -89,8 +90,11 @@ class PlanSession:
         kwargs: dict[str, Any],
         src: int | None = None,
     ) -> None:
-        """Capture the planned forward at this call's new per-sample shapes (rank `src`'s call's, if
-        given) and run `installed` (this fit's plan) on it (collective)."""
+        """Capture the planned forward for this call's new per-sample shapes or module values (rank
+        `src`'s call's, if given) and run `installed` (this fit's plan) on it (collective). Every rank
+        gets rank 0's buffers first, as DDP gives them before each forward: a module put in eval()
+        reads running statistics each rank updated on its own samples until then."""
+        sync_buffers(self.fit.root)
         capture_shape(self.options, installed, target, args, kwargs, self.fit.compiler, src)
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
