@@ -9,6 +9,8 @@ says which values moved). A training-progress counter (`global_step`, `current_e
 only compares (`if self.global_step >= k:`) is checked by those comparisons' outcomes, not its value:
 it needs another graph when an outcome changes, not at every step. Forward hooks (their side effects
 run only where the module runs) are recorded too: the runtime runs a graph, not the modules' calls.
+`watch_strings` hands forward strings that note whether it used them: one it never did (a file name
+in a batch dict) does not pick the graph.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ class _Counters:
     def __init__(self) -> None:
         self.compared: dict[tuple[int, str], list[tuple[str, Any]]] = {}
         self.by_value: set[tuple[int, str]] = set()
-        self.unused: dict[int, tuple[int, str]] = {}  # id of a handed-out int -> its key, until used
+        self.key_of: dict[int, tuple[int, str]] = {}  # id of a handed-out int -> the value it was read as
+        self.unused: dict[int, tuple[int, str]] = {}  # the same, until forward uses it
         self.handed: list[int] = []  # keeps handed-out ints alive, so their ids stay theirs
 
         def noting(name: str) -> Any:
@@ -185,7 +188,8 @@ class _Counters:
             comparison = name in _COMPARISONS
 
             def use(value: int, *args: Any) -> Any:
-                key = self.unused.pop(id(value), None) or self._key_of[id(value)]
+                key = self.key_of[id(value)]
+                self.unused.pop(id(value), None)
                 if comparison and isinstance(args[0], int | float):
                     self.compared.setdefault(key, []).append((name, args[0]))
                 else:
@@ -194,16 +198,15 @@ class _Counters:
 
             return use
 
-        self._key_of: dict[int, tuple[int, str]] = {}
-        self._watched = type(
+        self.watched = type(
             "WatchedCounter", (int,), {name: noting(name) for name in (*_COMPARISONS, *_INT_USES)}
         )
 
     def watch(self, key: tuple[int, str], value: int) -> int:
-        watched = self._watched(value)
+        """`value`, read as `key`, as an int that notes its uses."""
+        watched = self.watched(value)
         self.handed.append(watched)
-        self.unused[id(watched)] = key
-        self._key_of[id(watched)] = key
+        self.key_of[id(watched)] = self.unused[id(watched)] = key
         return watched
 
     def checks(self, key: tuple[int, str]) -> Checks | None:
