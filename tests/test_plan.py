@@ -78,6 +78,7 @@ def test_json_has_the_documented_keys():
         "graph_fingerprint",
         "limited",
         "hidden_sync_s",
+        "memory_bytes",
         "layers",
     }
     assert set(data["layers"][0]) == {
@@ -192,8 +193,9 @@ def test_table_lists_every_layer_and_summarizes_speedup_and_idle_ranks():
     ]
     assert lines[2].split()[:3] == ["l1", "l1", "1"]
     assert lines[2].split()[3] == f"{plan.layers[1].compute_s * 1e3:.3f}"
-    assert f"speedup {plan.speedup:.2f}x" in lines[-2]
-    assert lines[-1].startswith("idle fraction per rank: r0 0%, r1-3 ")
+    assert f"speedup {plan.speedup:.2f}x" in lines[-3]
+    assert lines[-2].startswith("idle fraction per rank: r0 0%, r1-3 ")
+    assert lines[-1].startswith("memory per rank (params+grads+optimizer+activations, estimated): r0 ")
     assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
 
 

@@ -10,7 +10,7 @@ import pytest
 from lightning_deeppool.ir.graph import GraphInput, LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import AlphaBeta, Profile
-from lightning_deeppool.planner import cost
+from lightning_deeppool.planner import cost, memory
 from lightning_deeppool.planner.plan import plan_with_widths
 from lightning_deeppool.planner.simulate import (
     assumptions,
@@ -119,6 +119,19 @@ def test_table_has_a_row_per_device_count_and_the_gains():
     assert lines[3].startswith("global batch 32; background fill at efficiency 0.4,")
 
 
+def test_table_ends_with_each_burst_plans_estimated_memory_per_rank():
+    graph, profile = conv_then_head()
+    projections = project(graph, profile, devices=[2, 8], global_batch_size=BATCH)
+    estimates = [
+        memory.memory_per_rank(graph, p.plan.placements(), world_size=p.devices, global_batch_size=BATCH)
+        for p in projections
+    ]
+    assert table(projections).splitlines()[-1] == (
+        "memory per rank (params+grads+optimizer+activations, estimated): "
+        f"2 devices: {memory.summary(estimates[0])}; 8 devices: {memory.summary(estimates[1])}"
+    )
+
+
 def test_the_assumptions_name_the_links_the_algorithm_and_what_is_left_out():
     graph, profile = conv_then_head()
     text = assumptions(profile, project(graph, profile, devices=[2, 32], global_batch_size=BATCH))
@@ -172,7 +185,7 @@ def test_table_and_assumptions_mention_splits_by_height_only_when_a_plan_has_the
     times = {"conv0": (1e-3, 50e-3), "conv1": (1e-3, 50e-3), "conv2": (1e-3, 50e-3), "head": (1e-3, 1e-4)}
     profile = linear_profile(graph, times, max_batch=2, comm=SLOW_LINK)
     projections = project(graph, profile, devices=[1, 2, 4], global_batch_size=1)
-    assert table(projections).splitlines()[-1] == (
+    assert table(projections).splitlines()[-2] == (
         "split by height: 2 devices: 3 of 4 layers, 2 parts per sample; 4 devices: 3 of 4 layers, 4 parts "
         "per sample"
     )

@@ -4,7 +4,8 @@ JSON the runtime reads.
 JSON encodes an infinite ``amplification_limit`` (no limit) as the string ``"inf"``. A layer without
 ``"spatial"`` loads with spatial 1 (not split), one without ``"first"`` starts at rank 0 (the key is
 written only where a layer starts elsewhere, as are the plan's ``concurrent_s`` and ``compute_span_s``,
-so plans that place every layer from rank 0 read as before).
+so plans that place every layer from rank 0 read as before). A plan without ``"memory_bytes"`` (written
+before plans carried the estimate) loads with none.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.ir.profile import Profile
-from lightning_deeppool.planner import checks, cost
+from lightning_deeppool.planner import checks, cost, memory
 from lightning_deeppool.planner.margin import Alternative
 from lightning_deeppool.planner.tables import aligned
 
@@ -71,7 +72,8 @@ class Plan:
     `sync_wait_s`, the ranks' wait for each other (see `CommProfile`). `compute_span_s` is the compute
     of one step with such layers side by side (None: the layers' compute one after the other).
     `alternative` is the best plan of another shape the search weighed it against (None for a plan
-    it did not search: given, or costed from widths).
+    it did not search: given, or costed from widths). `memory_bytes` is the estimated peak bytes per
+    rank (`memory.memory_per_rank`, from sizes, not measured; empty in plans written before it).
     """
 
     world_size: int
@@ -88,6 +90,7 @@ class Plan:
     concurrent_s: float = 0.0
     compute_span_s: float | None = None
     alternative: Alternative | None = None
+    memory_bytes: tuple[int, ...] = ()
     version: int = PLAN_VERSION
 
     def width(self, name: str) -> int:
@@ -145,6 +148,7 @@ class Plan:
             **({"concurrent_s": self.concurrent_s} if self.concurrent_s else {}),
             **({"compute_span_s": self.compute_span_s} if self.compute_span_s is not None else {}),
             **({"alternative": asdict(self.alternative)} if self.alternative is not None else {}),
+            **({"memory_bytes": list(self.memory_bytes)} if self.memory_bytes else {}),
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
@@ -171,6 +175,7 @@ class Plan:
             concurrent_s=float(data.get("concurrent_s", 0.0)),
             compute_span_s=None if data.get("compute_span_s") is None else float(data["compute_span_s"]),
             alternative=Alternative(**data["alternative"]) if data.get("alternative") else None,
+            memory_bytes=tuple(int(value) for value in data.get("memory_bytes", ())),
         )
 
     def to_json(self) -> str:
@@ -244,8 +249,13 @@ class Plan:
             f"{self.predicted_ddp_step_time_s * 1e3:.3f} ms: speedup {self.speedup:.2f}x "
             f"({self.world_size} devices, global batch {self.global_batch_size}{optimizer}){hidden}"
             f"{concurrent}",
-            "idle fraction per rank: " + _idle_summary(self.idle_fractions()),
+            "idle fraction per rank: " + memory.by_rank([f"{f:.0%}" for f in self.idle_fractions()]),
         ]
+        if self.memory_bytes:
+            footer.append(
+                "memory per rank (params+grads+optimizer+activations, estimated): "
+                + memory.summary(self.memory_bytes)
+            )
         if self.alternative is not None:
             footer.append(self._margin())
         if self.limited:
@@ -307,17 +317,6 @@ class Plan:
                 f"the plan was made for world size {self.world_size}, but the world size is {world_size}; "
                 "plan again for this number of devices"
             )
-
-
-def _idle_summary(fractions: list[float]) -> str:
-    """``r0 0%, r1-3 40%``: consecutive ranks with the same fraction grouped."""
-    parts, start = [], 0
-    for rank in range(1, len(fractions) + 1):
-        if rank == len(fractions) or not math.isclose(fractions[rank], fractions[start]):
-            ranks = f"r{start}" if rank - 1 == start else f"r{start}-{rank - 1}"
-            parts.append(f"{ranks} {fractions[start]:.0%}")
-            start = rank
-    return ", ".join(parts)
 
 
 def validate_plan(plan: Plan, graph: LayerGraph) -> None:
@@ -403,6 +402,7 @@ def plan_with_widths(
         if any(placement.first for placement in placements.values())
         else None,
         graph_fingerprint=graph.fingerprint,
+        memory_bytes=memory.memory_per_rank(graph, placements, **sizes),
         layers=tuple(
             LayerPlan(
                 name=layer.name,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from lightning_deeppool.ir.graph import LayerGraph
 from lightning_deeppool.ir.profile import AlphaBeta, CommProfile, Profile
-from lightning_deeppool.planner import checks, cost
+from lightning_deeppool.planner import checks, cost, memory
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import search
 from lightning_deeppool.planner.tables import aligned
@@ -132,7 +132,8 @@ def project(
 
 
 def table(projections: Sequence[Projection]) -> str:
-    """Aligned text table: step times, throughputs (samples/s) and the gains over DDP."""
+    """Aligned text table: step times, throughputs (samples/s) and the gains over DDP; below it, per
+    device count, the burst plan's estimated memory per rank (`memory.memory_per_rank`)."""
     header = (
         "devices",
         "DDP ms",
@@ -172,6 +173,12 @@ def table(projections: Sequence[Projection]) -> str:
     placed = [(p.devices, branch_summary(p.plan)) for p in projections if branch_summary(p.plan)]
     if placed:
         lines.append("side by side: " + "; ".join(f"{n} devices: {summary}" for n, summary in placed))
+    estimated = [p for p in projections if p.plan.memory_bytes]
+    if estimated:
+        lines.append(
+            "memory per rank (params+grads+optimizer+activations, estimated): "
+            + "; ".join(f"{p.devices} devices: {memory.summary(p.plan.memory_bytes)}" for p in estimated)
+        )
     return "\n".join(lines)
 
 
