@@ -116,7 +116,6 @@ def install(
         sent = _current_weights_bytes(plan, captured, world_size) if options.current_weights else None
         _save(plan, options.plan_path(log_dir()), sent)
     plan.check_matches(captured.graph, world_size)
-    on_every_rank(lambda: _check_hooks(captured))  # a data-parallel plan runs its first step planned too
     installed = InstalledPlan.build(
         root,
         captured,
@@ -398,7 +397,6 @@ class InstalledPlan:
                 "such values fixed during training (a counter read in forward that changes every step), or "
                 "read them outside forward"
             )
-        _check_hooks(captured)
         planned = self.plan.widths()
         new = [layer.name for layer in captured.graph.layers if layer.name not in planned]
         if new:
@@ -633,19 +631,6 @@ def _broadcast_call(
     box = [pytree.tree_map(to_cpu, (args, kwargs)) if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return pytree.tree_map(to_device, box[0])
-
-
-def _check_hooks(captured: CapturedGraph) -> None:
-    """Forward hooks would not run under the plan: the runtime runs the graph, not the modules' calls
-    (a data-parallel plan too, at its first step)."""
-    if captured.state.hooks:
-        raise ValueError(
-            f"deeppool: forward hooks are registered on modules of the planned forward "
-            f"({list(captured.state.hooks)[:3]}): the plan runs the captured graph, not the modules' calls, "
-            "so a hook would not see the tensors it computes and its side effects (an activation kept "
-            "for a loss, a statistic) would be lost. Return the value from forward (or compute it in "
-            "training_step from forward's output), or remove the hook before training"
-        )
 
 
 def _check_shareable(captured: CapturedGraph) -> None:

@@ -1,10 +1,11 @@
 """What a captured forward depended on besides its tensors is checked at every call: values it reads
 from the modules (a training flag, a switch, global_step), its non-tensor arguments (a task name) and
-forward hooks. Where they change (a module put in eval() mid-training, a switch, two tasks a step), the
-forward is captured again, once per set of values, and trains as one device (or DDP) does; layers the
-plan never saw (a block joining at step 2, a head per task) run at full width; strings forward never
-reads (file names in a batch dict) need no capture. A joining layer that shares a weight only some
-ranks hold, and a forward hook (whose side effect the plan would not run), stop every rank naming it."""
+forward hooks. Where they change (a module put in eval() mid-training, a switch, two tasks a step, a
+hook registered later), the forward is captured again, once per set of values, and trains as one
+device (or DDP) does; layers the plan never saw (a block joining at step 2, a head per task) run at
+full width; strings forward never reads (file names in a batch dict) need no capture; a forward hook
+gets its submodule's output as the plan computed it. A joining layer that shares a weight only some
+ranks hold, and a hook on a submodule forward calls twice, stop every rank naming it."""
 
 from __future__ import annotations
 
@@ -201,11 +202,37 @@ class WideEveryOtherBatch:
 
 
 class HookFromStepTwo(pl.Callback):
-    """Registers a forward hook on the body at step 2, after the plan was captured without it."""
+    """From step 2, a forward hook on the body keeps its output, and the loss adds a penalty on it:
+    registered after the plan was captured without it."""
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == 2:
-            pl_module.body.register_forward_hook(lambda module, args, output: None)
+            pl_module.body.register_forward_hook(pl_module._keep)
+
+
+class PenaltyFromStepTwo(KeepsBodyOutput):
+    """`KeepsBodyOutput` whose hook `HookFromStepTwo` registers at step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body._forward_hooks.clear()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if "body" in self.kept:
+            return super().training_step(batch, batch_idx)
+        return MLP.training_step(self, batch, batch_idx)
+
+
+class HooksATwiceCalledBlock(MLP):
+    """A forward hook on a block forward calls twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(32, 32)
+        self.block.register_forward_hook(lambda module, args, output: None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(self.body(x.flatten(1)))))
 
 
 TRAINED: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
@@ -215,14 +242,19 @@ TRAINED: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
     "a-block-joining-at-step-two": (ExtraBlockFromStepTwo, list, {"max_steps": 4}),
     "a-head-per-task": (HeadPerTask, list, {"max_steps": 3}),
     "a-layer-only-wide-images-use": (NarrowsWideImages, list, {"max_steps": 4}),
+    "a-forward-hook-keeping-an-activation": (KeepsBodyOutput, list, {"max_steps": 3}),
+    "a-forward-hook-registered-at-step-two": (
+        PenaltyFromStepTwo,
+        lambda: [HookFromStepTwo()],
+        {"max_steps": 4},
+    ),
 }
 AGAINST_DDP: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
     "batch-norm-in-eval-from-epoch-one": (FreezesBatchNormFromEpochOne, list, {"max_epochs": 3}),
 }
 REFUSED: dict[str, tuple[type[MLP], Any, dict[str, Any]]] = {
     "a-joining-layer-sharing-a-narrow-weight": (TiedLayerFromStepTwo, list, {"max_steps": 4}),
-    "forward-hook-keeping-an-activation": (KeepsBodyOutput, list, {"max_steps": 2}),
-    "forward-hook-registered-at-step-two": (MLP, lambda: [HookFromStepTwo()], {"max_steps": 4}),
+    "a-forward-hook-on-a-block-called-twice": (HooksATwiceCalledBlock, list, {"max_steps": 2}),
 }
 CASES = {**TRAINED, **AGAINST_DDP, **REFUSED}
 
@@ -318,6 +350,8 @@ def runs(request, tmp_path_factory) -> tuple[list[dict[str, Any]], dict[str, Any
         ("a-block-joining-at-step-two", 2),  # steps 0 and 2 of 4: where `global_step >= 2` turns
         ("a-head-per-task", 2),  # the second head runs at full width
         ("a-layer-only-wide-images-use", 2),  # the layer runs at full width
+        ("a-forward-hook-keeping-an-activation", 1),  # the hook gets the body's output as computed
+        ("a-forward-hook-registered-at-step-two", 2),
     ],
 )
 def test_trains_as_one_device_with_each_set_of_values_captured_once(runs, name, captures):
@@ -347,12 +381,11 @@ def test_batch_norm_put_in_eval_mid_training_trains_as_ddp(runs):
 
 
 @pytest.mark.slow
-def test_a_forward_hook_on_a_planned_module_stops_every_rank_naming_it(runs):
+def test_a_forward_hook_on_a_block_forward_calls_twice_stops_every_rank_naming_it(runs):
     ranks, _ = runs
     for rank in ranks:
-        for name in ("forward-hook-keeping-an-activation", "forward-hook-registered-at-step-two"):
-            message = rank[name]
-            assert isinstance(message, str) and "forward hooks" in message and "'body'" in message, message
+        message = rank["a-forward-hook-on-a-block-called-twice"]
+        assert isinstance(message, str) and "'block', which forward calls 2 times" in message, message
 
 
 def test_the_values_forward_read_are_recorded_and_their_changes_named():

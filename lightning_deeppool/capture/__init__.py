@@ -125,6 +125,7 @@ def _capture(
     register_containers(outputs)
     _check_outputs(module, outputs)
     trace = _trace(module, mapping, leaf_modules)
+    trace, hooked = _with_hooked_outputs(trace, state.hooks)
     call = CallSignature(
         signature=signature,
         spec=trace.input_spec,
@@ -133,10 +134,48 @@ def _capture(
         unread=frozenset(i for i, leaf in enumerate(leaves) if isinstance(leaf, str) and i not in touched),
     )
     captured = _with_input_grads(cut_into_layers(trace, call, granularity), call, mapping)
-    captured = dataclasses.replace(captured, state=state)
+    captured = dataclasses.replace(captured, state=state, hooked=hooked)
     check_replay(captured, module, mapping)
     check_per_sample(captured, module, mapping)
     return captured
+
+
+def _with_hooked_outputs(trace: Trace, hooks: Sequence[tuple[str, str]]) -> tuple[Trace, tuple[str, ...]]:
+    """`trace` returning, after forward's own outputs, the output of each submodule a forward hook is
+    registered on (the runtime hands it to the hooks: the graph runs no module's call), and those
+    submodules' paths. Raises `CaptureError` for a global hook, or a hooked submodule called more than
+    once or returning more than one tensor."""
+    paths = sorted({path for path, _ in hooks if path})
+    if "<global>" in paths:
+        raise CaptureError(
+            "a global forward hook (nn.modules.module.register_module_forward_hook) is registered: the "
+            "plan runs the captured graph, not the modules' calls, so it would not run for the planned "
+            "modules. Remove it before training, or register it on the modules whose outputs it needs"
+        )
+    if not paths:
+        return trace, ()
+    output = next(n for n in trace.gm.graph.nodes if n.op == "output")
+    returned = list(output.args[0])
+    kept = [_output_of(trace, path) for path in paths]
+    output.args = ([*returned, *kept],)
+    trace.gm.recompile()
+    spec = pytree.tree_structure((pytree.tree_unflatten(returned, trace.output_spec), tuple(kept)))
+    return dataclasses.replace(trace, output_spec=spec), tuple(paths)
+
+
+def _output_of(trace: Trace, path: str) -> Any:
+    """The node holding the output of submodule `path`'s call."""
+    inside = [n for n in trace.gm.graph.nodes if any(c.path == path for c in trace.stacks.get(n.name, ()))]
+    calls = {c.occurrence for n in inside for c in trace.stacks[n.name] if c.path == path}
+    names = {n.name for n in inside}
+    found = [n for n in inside if any(user.name not in names for user in n.users)]
+    if len(calls) != 1 or len(found) != 1:
+        raise CaptureError(
+            f"a forward hook is registered on {path!r}, which forward calls {len(calls)} times, returning "
+            f"{len(found)} values: deeppool hands a hook the output of a submodule called once that returns "
+            "one tensor. Register the hook on such a submodule, or compute the value in forward"
+        )
+    return found[0]
 
 
 def _with_input_grads(captured: CapturedGraph, call: CallSignature, mapping: dict[str, Any]) -> CapturedGraph:

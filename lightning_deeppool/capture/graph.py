@@ -95,6 +95,7 @@ class CapturedGraph:
     batch_statistics: bool = False
     compilers: tuple[tuple[str, Compiler], ...] = ()
     state: ModuleState = field(default_factory=ModuleState)
+    hooked: tuple[str, ...] = ()  # submodules with forward hooks: forward returns (outputs, their outputs)
     _compiled: dict[str, Evaluate] = field(default_factory=dict, init=False, repr=False, compare=False)
     _stages: dict[tuple[tuple[str, ...], tuple[str, ...]], Evaluate | None] = field(
         default_factory=dict, init=False, repr=False, compare=False

@@ -129,7 +129,7 @@ class ForwardCalls:
         if torch.is_grad_enabled():
             self._pending += 1
         self._verify_first(runtime, args, kwargs)
-        return outputs
+        return self._run_hooks(runtime, outputs)
 
     def _at_shape(
         self, installation: InstalledPlan, key: int, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -184,6 +184,27 @@ class ForwardCalls:
         if torch.is_grad_enabled():
             self._pending += len(parts)  # several passes: no bucket launches before the step's sync
         self._verify_first(first, args, kwargs)
+        return self._run_hooks(parts[mine][0], outputs)
+
+    def _run_hooks(self, runtime: BurstRuntime, outputs: Any) -> Any:
+        """Forward's own outputs; first, the forward hooks of the submodules whose outputs the runtime's
+        graph returns too are called with them (this rank's samples, autograd intact), as the module's
+        call would."""
+        hooked = runtime.captured.hooked
+        if not hooked:
+            return outputs
+        outputs, kept = outputs
+        for path, value in zip(hooked, kept):
+            module = self.target.get_submodule(path)
+            for key, hook in list(module._forward_hooks.items()):
+                with_kwargs = key in module._forward_hooks_with_kwargs
+                result = hook(module, (), {}, value) if with_kwargs else hook(module, (), value)
+                if result is not None:
+                    raise RuntimeError(
+                        f"deeppool: a forward hook on {path!r} returned a value to replace the module's "
+                        "output, which the plan cannot do (it runs the captured graph, not the module's "
+                        "call). Return None from the hook, or apply the change in forward"
+                    )
         return outputs
 
     def _verify_first(self, runtime: BurstRuntime, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
