@@ -113,8 +113,6 @@ def install(
         env = captured.bind(args, kwargs)
         profile = _profile(options, captured, env, global_batch, device, optimizers)
         plan = _search(options, captured, profile, global_batch)
-        sent = _current_weights_bytes(plan, captured, world_size) if options.current_weights else None
-        _save(plan, options.plan_path(log_dir()), sent)
     plan.check_matches(captured.graph, world_size)
     installed = InstalledPlan.build(
         root,
@@ -129,6 +127,9 @@ def install(
         bucket_view=options.bucket_view,
     )
     installed.profile = profile
+    if profile is not None:  # a plan searched here: printed, with what `current_weights` sends
+        sent = installed.current_weights_bytes() if options.current_weights else None
+        _save(plan, options.plan_path(log_dir()), sent)
     return installed
 
 
@@ -213,23 +214,6 @@ def _search(options: PlanOptions, captured: CapturedGraph, profile: Profile, glo
             memory_budget_bytes=options.memory_budget_bytes,
             branches=options.branches,
         )
-    )
-
-
-def _current_weights_bytes(plan: Plan, captured: CapturedGraph, world_size: int) -> int:
-    """The bytes `InstalledPlan.send_unheld` sends after each optimizer step: the trainable
-    parameters that only layers below full width use."""
-    full_width = Placement(world_size)
-    placements = plan.placements()
-    narrow: set[str] = set()
-    everywhere: set[str] = set()
-    for layer, names in captured.layer_params.items():
-        (everywhere if placements.get(layer, full_width) == full_width else narrow).update(names)
-    params = dict(captured.module.named_parameters(remove_duplicate=False))
-    return sum(
-        params[name].numel() * params[name].element_size()
-        for name in narrow - everywhere
-        if params[name].requires_grad
     )
 
 
@@ -368,9 +352,7 @@ class InstalledPlan:
         now = self.captured.state.current()
         for found in self._graphs.values():
             graph = found[0]
-            if call_key(graph.samples, (now, graph.call.read)) == key and graph.key == call_key(
-                graph.samples, (graph.state.current(), graph.call.read)
-            ):
+            if call_key(graph.samples, (now, graph.call.read)) == key and graph.state.unchanged():
                 return found
         return None
 
@@ -487,9 +469,8 @@ class InstalledPlan:
         receivers = range(1, dist.get_world_size()) if rank == 0 else (rank,)
         parts: dict[int, dict[torch.dtype, list[torch.Tensor]]] = {}
         for r in receivers:
-            for name in self.not_held(r):
-                if params[name].requires_grad:
-                    parts.setdefault(r, {}).setdefault(params[name].dtype, []).append(params[name])
+            for name in self._sent_to(r):
+                parts.setdefault(r, {}).setdefault(params[name].dtype, []).append(params[name])
         messages = self.grad_sync.messages
         with torch.no_grad():
             for dtype in sorted({d for by_dtype in parts.values() for d in by_dtype}, key=str):
@@ -506,6 +487,19 @@ class InstalledPlan:
                 messages.post({}, {0: flat}).wait()
                 for t, values in zip(tensors, flat.split([t.numel() for t in tensors])):
                     t.copy_(values.view_as(t))
+
+    def current_weights_bytes(self) -> int:
+        """The bytes `send_unheld` sends from rank 0 after each optimizer step, to every rank."""
+        params = self.grad_sync.params
+        return sum(
+            params[name].numel() * params[name].element_size()
+            for r in range(1, dist.get_world_size())
+            for name in self._sent_to(r)
+        )
+
+    def _sent_to(self, rank: int) -> list[str]:
+        """The trainable parameters `rank` does not hold, which `send_unheld` gives it."""
+        return [name for name in self.not_held(rank) if self.grad_sync.params[name].requires_grad]
 
     def check_replicas(self) -> None:
         """Raise on every rank if the ranks that hold a parameter hold different values of it: the

@@ -194,6 +194,28 @@ def test_plan_footer_prints_the_bytes_current_weights_sends_per_step(runs):
     assert f"current_weights: rank 0 sends {sent:,} bytes" in runs[0]["ema-with-current-weights"]["printed"]
 
 
+def _footer_on_three_ranks(rank: int, root: str) -> str:
+    """What rank 0 prints of a plan that runs the head on rank 0 alone of three, with current_weights."""
+    join_lightning_world(rank, 3)
+    torch.manual_seed(0)
+    strategy = DeepPoolStrategy(
+        plan={"": 3, "head": 1}, current_weights=True, cache_dir=False, profile_warmup=0, profile_repeats=1
+    )
+    trainer = pl.Trainer(**trainer_kwargs(devices=3, strategy=strategy, default_root_dir=root, max_steps=1))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(MLP(), DataLoader(images(12, size=(8, 8)), batch_size=LOCAL_BATCH))
+    return printed.getvalue()
+
+
+@pytest.mark.slow
+def test_plan_footer_counts_what_current_weights_sends_to_each_rank(tmp_path):
+    head = MLP().head
+    to_each = sum(p.numel() * p.element_size() for p in head.parameters())
+    printed = run_distributed(_footer_on_three_ranks, 3, str(tmp_path), timeout_s=300)[0]
+    assert f"current_weights: rank 0 sends {2 * to_each:,} bytes" in printed, printed
+
+
 @pytest.mark.slow
 def test_model_called_in_a_hook_on_every_rank_gives_one_devices_output(runs):
     expected = _reference(ForwardsInHook)

@@ -82,6 +82,10 @@ class ModuleState:
         """What `current` returned at capture."""
         return (*self.values, self.hooks)
 
+    def unchanged(self) -> bool:
+        """Whether every value reads now as it did at capture."""
+        return self.current() == self.captured
+
     def changes(self, now: tuple[Any, ...]) -> list[str]:
         """What differs between capture and `now` (`current`'s result), one line each."""
         found = []

@@ -22,8 +22,9 @@ OK, GUARD_FAILED, INVALID = 0, 1, 2
 
 class Row(NamedTuple):
     """What a rank shows the others of its call: its samples, the digest of what picks its graph
-    (`call_key`: per-sample shapes and dtypes, the module values forward reads), the digest of its other
-    arguments (scalars, which inputs require grad, the module values), whether it can run (`OK`,
+    (`call_key`: per-sample shapes and dtypes, the module values forward reads, the non-tensor
+    arguments it was captured for), the digest of its other arguments (scalars, which inputs require
+    grad, and that `state` again), whether it can run (`OK`,
     `GUARD_FAILED`, `INVALID`) and, for a shared batch, the data's checksum."""
 
     samples: int
@@ -40,7 +41,7 @@ class Call:
     batch: dict[str, torch.Tensor]
     scalars: dict[str, Any]
     input_grads: dict[str, bool]
-    arguments: str  # the scalars' values, which inputs require grad and the module values, as text
+    arguments: str  # the scalars' values, which inputs require grad and `state`, as text
     row: Row
     error: Exception | None = None
     # what picks the graph besides shapes: the module values forward reads (`ModuleState.current`) and
