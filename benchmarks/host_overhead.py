@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool
 from lightning_deeppool.capture.state import ModuleState
-from lightning_deeppool.strategy.call_agreement import CallAgreement
+from lightning_deeppool.session.call_agreement import CallAgreement
 
 from vs_ddp import FIXED_MALLOC, StepTimer, quiet_trainer
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_deeppool  # noqa: F401  (registers strategy="deeppool")
-from lightning_deeppool.strategy.step_times import StepTimes
+from lightning_deeppool.session.step_times import StepTimes
 
 
 class DigitsCNN(pl.LightningModule):

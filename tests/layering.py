@@ -27,10 +27,12 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "spatial": frozenset({"ir", "capture", "comm"}),
     "runtime": frozenset({"ir", "capture", "lowering", "comm", "spatial"}),
     "install": frozenset({"ir", "capture", "planner", "lowering", "comm", "profiling", "spatial", "runtime"}),
-    "strategy": frozenset({"ir", "planner", "comm", "runtime", "install"}),
+    "session": frozenset({"ir", "planner", "comm", "runtime", "install"}),
+    "strategy": frozenset({"ir", "planner", "comm", "runtime", "install", "session"}),
+    "fabric": frozenset({"ir", "planner", "comm", "runtime", "install", "session"}),
     "background": frozenset({"planner", "runtime", "private_files"}),
     "cli": frozenset({"ir", "capture", "planner", "profiling"}),
-    "__init__": frozenset({"strategy", "background", "planner"}),
+    "__init__": frozenset({"strategy", "fabric", "background", "planner"}),
 }
 # Modules of another layer a layer may use, where it may not use the whole layer: the background
 # trainers subscribe to the runtime's idle windows and read the plan, and keep their checkpoints as
@@ -43,7 +45,7 @@ ONLY: dict[str, frozenset[str]] = {
 # Third-party packages only some layers may import.
 TORCH_FREE = frozenset({"ir", "planner", "lowering"})
 STDLIB_ONLY = frozenset({"ir", "private_files"})
-LIGHTNING = frozenset({"strategy", "background", "__init__"})
+LIGHTNING = frozenset({"strategy", "fabric", "background", "__init__"})
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_deeppool import DeepPoolStrategy
-from lightning_deeppool.strategy.patches import patch_scaler_overflow
+from lightning_deeppool.session.modules import patch_scaler_overflow
 
 from distributed import run_distributed
 from models import fit_one_device, max_param_diff

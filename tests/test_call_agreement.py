@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_deeppool.strategy.call_agreement import CallAgreement, Point
+from lightning_deeppool.session.call_agreement import CallAgreement, Point
 
 pytestmark = pytest.mark.floors
 

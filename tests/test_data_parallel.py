@@ -17,7 +17,7 @@ from lightning_deeppool import DeepPoolStrategy
 from lightning_deeppool.comm.messages import GroupMessages
 from lightning_deeppool.lowering.schedule import Bucket
 from lightning_deeppool.runtime.grad_sync import GradSync
-from lightning_deeppool.strategy.call_agreement import CallAgreement
+from lightning_deeppool.session.call_agreement import CallAgreement
 
 from distributed import run_distributed
 from models import (

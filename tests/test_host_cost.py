@@ -28,7 +28,7 @@ from models import MLP, images, join_lightning_world, trainer_kwargs
 WARMUP, COUNTED = 3, 4
 STORE_CALLS = ("get", "set", "add", "wait", "check", "compare_set", "multi_get", "multi_set", "delete_key")
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
-CPU_BY_CONSTRUCTION = {"comm/messages.py", "strategy/call_agreement.py"}
+CPU_BY_CONSTRUCTION = {"comm/messages.py", "session/call_agreement.py"}
 # On purpose: whether a value logged with sync_dist=True is finite, while layers a rank does not run
 # hold NaN (`hooks.check_reduced`): one read per such value, which a GPU waits for.
 CHECKED = {"strategy/hooks.py"}

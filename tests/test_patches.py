@@ -1,5 +1,6 @@
 """Every patch of another library, and every private call the package makes, against the installed
-torch and Lightning: an upgrade that changes one fails here (`strategy/patches.py` lists them)."""
+torch and Lightning: an upgrade that changes one fails here (`strategy/patches.py` and
+`session/modules.py` list them)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lightning_deeppool.runtime.runtime import _accumulates
-from lightning_deeppool.strategy.patches import (
-    SIGTERM_BROADCAST,
+from lightning_deeppool.session.modules import (
     agree_on_overflow,
-    clip_by_global_norm,
-    optimizers_to_device,
     own_forward,
     replace_forward,
-    replace_wait_between_steps,
     restore_forward,
     sync_buffers,
     sync_module_states,
+)
+from lightning_deeppool.strategy.patches import (
+    SIGTERM_BROADCAST,
+    clip_by_global_norm,
+    optimizers_to_device,
+    replace_wait_between_steps,
     take_compiler,
 )
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_deeppool.strategy import step_times
-from lightning_deeppool.strategy.step_times import StepTimes, summary
+from lightning_deeppool.session import step_times
+from lightning_deeppool.session.step_times import StepTimes, summary
 
 pytestmark = pytest.mark.floors
 

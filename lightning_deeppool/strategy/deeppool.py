@@ -33,9 +33,12 @@ from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES, Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
-from lightning_deeppool.strategy.call_agreement import CallAgreement
-from lightning_deeppool.strategy.ddp_options import bucket_size_mb, check_ddp_kwargs, comm_hook
-from lightning_deeppool.strategy.forward_calls import ForwardCalls
+from lightning_deeppool.session.call_agreement import CallAgreement
+from lightning_deeppool.session.ddp_options import bucket_size_mb, check_ddp_kwargs, comm_hook
+from lightning_deeppool.session.forward_calls import ForwardCalls
+from lightning_deeppool.session.modules import patch_scaler_overflow, sync_buffers, sync_module_states
+from lightning_deeppool.session.plan_session import Fit, PlanSession
+from lightning_deeppool.session.step_times import summary
 from lightning_deeppool.strategy.hooks import (
     RefreshForEvaluation,
     callbacks,
@@ -47,14 +50,9 @@ from lightning_deeppool.strategy.hooks import (
 from lightning_deeppool.strategy.patches import (
     clip_by_global_norm,
     optimizers_to_device,
-    patch_scaler_overflow,
     replace_wait_between_steps,
-    sync_buffers,
-    sync_module_states,
     take_compiler,
 )
-from lightning_deeppool.strategy.session import Fit, PlanSession
-from lightning_deeppool.strategy.step_times import summary
 
 PlanSource = str | Path | Mapping[str, int | Mapping[str, Any]] | None
 
@@ -276,7 +274,7 @@ class DeepPoolStrategy(DDPStrategy):
             )
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
-        clip_by_global_norm(self.precision_plugin, self._global_norm)
+        clip_by_global_norm(self.precision_plugin, self.session.global_norm)
         self._restore_between_steps = replace_wait_between_steps(
             trainer.fit_loop.epoch_loop, self._between_steps
         )
@@ -574,13 +572,3 @@ class DeepPoolStrategy(DDPStrategy):
         """The run's log directory (collective: `trainer.log_dir` broadcasts)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return trainer.log_dir if trainer is not None else None
-
-    # ------------------------------------------------------------------------------ clipping
-    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The norm to clip by: rank 0 holds every gradient, so its norm is the global one."""
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        norm = norm.to(self.root_device, torch.float32)
-        if self.session.installed is not None:
-            with self.idle_windows.window("clip_norm"):
-                dist.broadcast(norm, src=0)
-        return norm

@@ -1,63 +1,36 @@
-"""Every place the strategy patches another library's objects or uses its private code.
+"""Every place the Trainer's strategy patches Lightning's objects or uses its private code.
 
 Each is tested in `tests/test_patches.py` against the installed torch and Lightning, so an upgrade that
 changes one fails there, not in a training run:
 
-- `patch_scaler_overflow`: `16-mixed` under a burst plan needs every rank to agree whether a step's
-  gradients overflowed. Each rank's GradScaler only sees the gradients it owns, so ranks could
-  disagree on skipping a step and on the next loss scale (a rank that owns nothing would even fail:
-  `No inf checks were recorded for this optimizer`). Reads `GradScaler._per_optimizer_states`.
 - `wrap_wait_between_steps`: Lightning's training loop broadcasts rank 0's SIGTERM flag before every
   step (`_broadcast_sigterm_tensor`, private); a rank that finished its part of the step early waits
   there, idle like any wait in the plan, in a collective every rank issues.
 - `clip_by_global_norm`: replaces the precision plugin's `clip_grad_by_norm` on the instance.
-- `replace_forward`: the planned module's `forward` replaced on the instance.
 - `take_compiler`: `trainer.fit(torch.compile(model))` leaves the LightningModule's forward and step
   methods compiled (`_compiler_ctx`, private); `model.compile()` its call (`_compiled_call_impl`,
   whose closure holds dynamo's context, private); the strategy restores them and compiles its layers.
-- `sync_module_states`, `sync_buffers`, `optimizers_to_device`: private functions of torch and
-  Lightning the strategy calls.
+- `optimizers_to_device`: a private function of Lightning the strategy calls.
+
+What both front doors do with torch alone is in `session/modules.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities.compile import to_uncompiled
-from torch import nn
-from torch.distributed.distributed_c10d import _get_default_group
-from torch.distributed.utils import _sync_params_and_buffers
 
 from lightning_deeppool.install import Compiler
 
-sync_module_states = _sync_module_states  # rank 0's parameters and buffers to every rank (collective)
 optimizers_to_device = _optimizers_to_device
-
-BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # Lightning's and DDP's
 
 # The private method of Lightning's training epoch loop that broadcasts the SIGTERM flag each step.
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
-
-
-def sync_buffers(module: nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm's running statistics, say) to every rank, in buckets as
-    `sync_module_states` broadcasts them (collective; none where the module has none). Only buffers
-    whose values differ are written: a backward still to run may have saved the others."""
-    buffers = [buffer.detach() for buffer in module.buffers()]
-    if not buffers:
-        return
-    received = [buffer.clone() for buffer in buffers]
-    _sync_params_and_buffers(_get_default_group(), received, BROADCAST_BUCKET_BYTES, 0)
-    for buffer, value in zip(buffers, received):
-        if not torch.equal(buffer, value):
-            buffer.copy_(value)
 
 
 def take_compiler(module: pl.LightningModule) -> Compiler | None:
@@ -85,34 +58,6 @@ def _dynamo_context(compiled: Callable[..., Any]) -> Compiler:
         "version of deeppool cannot read; pass trainer.fit(torch.compile(model, ...)) instead, or "
         "DeepPoolStrategy(compile_layers={...}) with torch.compile's options"
     )
-
-
-def agree_on_overflow(
-    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, device: torch.device
-) -> None:
-    """Make `found_inf` the same on every rank (collective: call on all ranks after `unscale_`)."""
-    found: dict[torch.device, torch.Tensor] = scaler._per_optimizer_states[id(optimizer)][
-        "found_inf_per_device"
-    ]
-    flag = torch.zeros(1, dtype=torch.float32, device=device)
-    for value in found.values():
-        flag = torch.maximum(flag, value.to(device, torch.float32).reshape(1))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not found:
-        found[device] = flag.reshape(())
-    for value in found.values():
-        value.fill_(flag.item())
-
-
-def patch_scaler_overflow(scaler: torch.amp.GradScaler, device: torch.device) -> None:
-    """Wrap `scaler.unscale_` (which `scaler.step` also calls) so every rank agrees afterwards."""
-    unscale = scaler.unscale_
-
-    def unscale_(optimizer: Any) -> None:
-        unscale(optimizer)
-        agree_on_overflow(scaler, optimizer, device)
-
-    scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
 
 def replace_wait_between_steps(
@@ -143,28 +88,3 @@ def clip_by_global_norm(plugin: Any, norm_of: Callable[[list[torch.Tensor]], tor
         torch.nn.utils.clip_grads_with_norm_(grads, clip_val, norm_of([p.grad for p in grads]))
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
-
-
-def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Calls of `module` run `forward` (on this instance) until `restore_forward`; returns the
-    module's own forward, bound."""
-    own = type(module).forward.__get__(module)
-    module.forward = forward  # type: ignore[method-assign]
-    return own
-
-
-@contextmanager
-def own_forward(module: nn.Module) -> Iterator[None]:
-    """`module`'s own forward inside (capture calls the module)."""
-    replacement = vars(module).get("forward")
-    restore_forward(module)
-    try:
-        yield
-    finally:
-        if replacement is not None:
-            module.forward = replacement  # type: ignore[method-assign]
-
-
-def restore_forward(module: nn.Module) -> None:
-    if "forward" in vars(module):
-        del module.forward

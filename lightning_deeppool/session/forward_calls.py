@@ -29,9 +29,9 @@ from lightning_deeppool.install import InstalledPlan
 from lightning_deeppool.runtime.call import Call, Row, check, shape_groups, without_samples
 from lightning_deeppool.runtime.runtime import BurstRuntime, run_shapes
 from lightning_deeppool.runtime.verify import first_difference
-from lightning_deeppool.strategy.call_agreement import CallAgreement, call_site
-from lightning_deeppool.strategy.patches import own_forward, replace_forward, restore_forward
-from lightning_deeppool.strategy.session import PlanSession
+from lightning_deeppool.session.call_agreement import CallAgreement, call_site
+from lightning_deeppool.session.modules import own_forward, replace_forward, restore_forward
+from lightning_deeppool.session.plan_session import PlanSession
 
 
 class ForwardCalls:

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_deeppool.install import Compiler, InstalledPlan, PlanOptions, capture_shape, install
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.runtime.idle import IdleWindows
-from lightning_deeppool.strategy.patches import sync_buffers
-from lightning_deeppool.strategy.step_times import StepTimes
+from lightning_deeppool.session.modules import sync_buffers
+from lightning_deeppool.session.step_times import StepTimes
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,16 @@ class PlanSession:
         """Reduce fresh gradients (of `optimizer`'s parameters, if given). Collective."""
         if self.installed is not None:
             self.installed.sync(self.fit.optimizers(), optimizer)
+
+    def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of `grads` to clip by, the same on every rank: rank 0 holds every gradient, so its
+        norm is the global one (collective once installed)."""
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = norm.to(self.fit.device, torch.float32)
+        if self.installed is not None:
+            with self.idle.window("clip_norm"):
+                dist.broadcast(norm, src=0)
+        return norm
 
     def end_fit(self) -> None:
         """Uninstall: the plan's groups, hooks and links are released; the plan is kept."""
