@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_deeppool.capture import CapturedGraph, capture_graph
+from lightning_deeppool.capture import Break, CapturedGraph, capture_graph, widest
 from lightning_deeppool.capture.codegen import Compiler
 from lightning_deeppool.capture.state import call_key
 from lightning_deeppool.comm.fail_together import on_every_rank, on_rank_zero
@@ -42,6 +43,7 @@ from lightning_deeppool.runtime.idle import IdleWindows, ScheduleWindows
 from lightning_deeppool.runtime.runtime import BurstRuntime
 from lightning_deeppool.runtime.shared_batch import checksum
 from lightning_deeppool.runtime.unheld import UnheldGradients
+from lightning_deeppool.runtime.unheld_weights import hold, release
 
 UNPLANNED = "<unplanned>."
 # Distinct sets of the values forward reads (module values, non-tensor arguments), each captured once,
@@ -147,7 +149,7 @@ def capture_shape(
     on: not profiled or planned again. Collective."""
     if src is not None:
         args, kwargs = _broadcast_call(args, kwargs, src, installed.runtime.device)
-    captured = _capture(options, target, args, kwargs, compiler)
+    captured = _capture(options, target, args, kwargs, compiler, known=installed.captured.breaks)
     on_every_rank(lambda: installed.add_graph(captured))
 
 
@@ -157,20 +159,38 @@ def _capture(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     compiler: Compiler | None,
+    known: Sequence[Break] = (),
 ) -> CapturedGraph:
-    """`target`'s forward captured on every rank's own batch: the same graph on every rank, or an
-    error on every rank. Collective."""
-    captured = on_every_rank(
-        lambda: capture_graph(
-            target,
-            args,
-            kwargs,
-            leaf_modules=options.leaf_modules,
-            granularity=options.granularity,
-            compiler=compiler,
+    """`target`'s forward captured on every rank's own batch, starting from the `known` graph breaks: the
+    same graph on every rank, or an error on every rank; rank 0 says where code broke the graph, once
+    (not for the `known` breaks). Collective."""
+
+    def capture(breaks: Sequence[Break]) -> CapturedGraph:
+        return on_every_rank(
+            lambda: capture_graph(
+                target,
+                args,
+                kwargs,
+                leaf_modules=options.leaf_modules,
+                granularity=options.granularity,
+                compiler=compiler,
+                breaks=breaks,
+            )
         )
-    )
+
+    captured = capture(known)
+    # Each rank's data may break the graph in other places (one pair of samples of a length taken from
+    # the data differs, another does not): every rank captures again from all of them.
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, captured.breaks)
+    agreed = widest(b for found in every for b in found)
+    if any({b.path for b in found} != {b.path for b in agreed} for found in every):
+        captured = capture(agreed)
     _check_same_capture(captured)
+    if dist.get_rank() == 0:
+        for found in captured.breaks:
+            if found.path not in {b.path for b in known}:
+                print(found.describe(), flush=True)
     return captured
 
 
@@ -244,10 +264,13 @@ class InstalledPlan:
     bucket_bytes: int
     profile: Profile | None = None  # what planned it, where it was planned in this fit
     settled: bool = False
+    released: list[str] = field(default_factory=list)  # the parameters this rank holds no storage for
     # `CapturedGraph.key` (per-sample shapes and dtypes, module values) -> the graph captured for it,
     # its schedule and runtime
     _graphs: dict[int, tuple[CapturedGraph, Schedule, BurstRuntime]] = field(default_factory=dict)
     _original: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # optimizer id -> its parameters
+    _groups: dict[int, list[list[torch.Tensor]]] = field(default_factory=dict)  # ... by param group
+    _dropped: set[str] = field(default_factory=set)  # what this rank's optimizers no longer hold
     _narrow: bool | None = None  # `narrow`, asked after every optimizer step: known until owners change
     _planned_structure: str = ""  # of the graph the plan was made for
 
@@ -452,14 +475,19 @@ class InstalledPlan:
             self._narrow = any(len(ranks) < dist.get_world_size() for ranks in self.owners.values())
         return self._narrow
 
-    def poison_unheld(self, rank: int) -> None:
-        """Fill the parameters `rank` does not hold with NaN: no rank keeps them current, so a read of
-        them there gives NaN rather than a value that looks right."""
+    def release_unheld(self, rank: int) -> None:
+        """Free the storage of the parameters `rank` does not hold (after an optimizer step): no rank
+        keeps them current there, so each becomes a NaN placeholder (`runtime.unheld_weights`), and a
+        read of it gives NaN rather than a value that looks right, until `hold_unheld`."""
         params = self.grad_sync.params
-        with torch.no_grad():
-            for name in self.not_held(rank):
-                if params[name].is_floating_point():
-                    params[name].fill_(float("nan"))
+        self.released += [name for name in self.not_held(rank) if release(params[name])]
+
+    def hold_unheld(self) -> None:
+        """Give the released parameters storage again, NaN-filled: before a refresh writes rank 0's
+        values into them, or code outside training writes them in place."""
+        for name in self.released:
+            hold(self.grad_sync.params[name])
+        self.released = []
 
     def send_unheld(self) -> None:
         """Give every rank rank 0's values of the trainable parameters it does not hold (after an
@@ -553,14 +581,35 @@ class InstalledPlan:
             self.owners[name] = tuple(range(dist.get_world_size()))
         self._narrow = None
         rank = dist.get_rank()
+        self._groups = {id(o): [list(g["params"]) for g in o.param_groups] for o in optimizers}
         self._original = {id(o): [p for g in o.param_groups for p in g["params"]] for o in optimizers}
         dropped = self.not_held(rank)
         self.grad_sync.drop(dropped)
-        gone = set(dropped)
-        _prune_optimizers(optimizers, lambda p: self.names.get(id(p)) not in gone)
+        self._dropped = set(dropped)
+        self._prune(optimizers)
         self.settled = True
 
+    def _prune(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        _prune_optimizers(optimizers, lambda p: self.names.get(id(p)) not in self._dropped)
+
+    @contextmanager
+    def whole_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+        """`optimizers` with every parameter they were given inside (to load a state rank 0 saved);
+        after, this rank drops again what it does not hold, with its state and gradients."""
+        if not self.settled:
+            yield
+            return
+        for optimizer in optimizers:
+            for group, params in zip(optimizer.param_groups, self._groups.get(id(optimizer), [])):
+                group["params"][:] = params
+        try:
+            yield
+        finally:
+            self._prune(optimizers)
+
     def close(self) -> None:
+        """Release the plan's groups and links; the module keeps storage for every parameter."""
+        self.hold_unheld()
         self.runtime.close()
         self.groups.destroy()
 

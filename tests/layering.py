@@ -116,6 +116,28 @@ def violations(modules: Mapping[str, str]) -> list[str]:
     return found
 
 
+def imported_layers(modules: Mapping[str, str]) -> dict[str, set[str]]:
+    """The layers of the package each layer imports (besides itself), as its modules do."""
+    found: dict[str, set[str]] = {layer(m): set() for m in modules}
+    for imp in imports(modules):
+        if imp.target.split(".")[0] == PACKAGE:
+            theirs = layer(imp.target) if imp.target != PACKAGE else "__init__"
+            if theirs != layer(imp.module):
+                found[layer(imp.module)].add(theirs)
+    return found
+
+
+def reached(edges: Mapping[str, set[str]], start: str) -> set[str]:
+    """Every layer `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for succ in edges.get(todo.pop(), set()) - seen:
+            seen.add(succ)
+            todo.append(succ)
+    return seen
+
+
 def cycles(modules: Mapping[str, str]) -> list[list[str]]:
     """Groups of modules that import each other, directly or not (strongly connected components of
     more than one module, or a module importing itself)."""

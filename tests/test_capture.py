@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from lightning_deeppool.capture import CaptureError, GuardError, capture_graph
+from lightning_deeppool.capture import Break, CaptureError, GuardError, capture_graph, widest
 
 from models import ConvNet, images
 from zoo import (
@@ -255,15 +255,58 @@ def test_an_output_whose_batch_dimension_is_not_first_is_refused():
         capture_graph(_SequenceFirst(), (torch.randn(4, 3, 4),))
 
 
-def test_a_data_dependent_submodule_is_named_with_the_leaf_modules_fix():
-    with pytest.raises(CaptureError, match=r"submodule 'loop' \(_PerSampleLoop\).*leaf_modules=\['loop'\]"):
-        capture_graph(_WithLoop(), (torch.randn(4, 4),))
+class _LoopInForward(nn.Module):
+    """The per-sample loop in the planned module's own forward, after a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PerSampleLoop()(self.linear(x))
+
+
+def test_data_dependent_code_in_a_submodule_breaks_the_graph_there_and_replays_as_forward():
+    model = _WithLoop()
+    x = torch.randn(5, 4)
+    captured = capture_graph(model, (x[:4],))
+    [found] = captured.breaks
+    assert (found.path, found.kind) == ("loop", "_PerSampleLoop")
+    assert "row.sum() > 0" in found.reason  # the user's line
+    assert [layer.own_samples for layer in captured.graph.layers] == [True, False]
+    with torch.no_grad():
+        assert _close(model(x), _replayed(captured, x))
+
+
+def test_data_dependent_code_in_the_planned_forward_makes_the_whole_forward_one_break():
+    model = _LoopInForward()
+    x = torch.randn(5, 4)
+    captured = capture_graph(model, (x[:4],))
+    assert [(b.path, b.kind) for b in captured.breaks] == [("", "_LoopInForward")]
+    assert "trains data-parallel" in captured.breaks[0].describe()
+    assert [layer.own_samples for layer in captured.graph.layers] == [True]
+    with torch.no_grad():
+        assert _close(model(x), _replayed(captured, x))
 
 
 def test_a_leaf_module_runs_its_own_python_on_every_shard():
     model = _WithLoop()
     x = torch.randn(5, 4)
     captured = capture_graph(model, (x[:4],), leaf_modules=["loop"])
+    with torch.no_grad():
+        assert _close(model(x), _replayed(captured, x))
+
+
+def test_breaks_several_ranks_found_become_one_set_without_those_inside_another():
+    inner, outer, other = Break("enc.cut", "Cut", "a"), Break("enc", "Enc", "b"), Break("moe", "MoE", "c")
+    assert widest([inner, other, outer, inner]) == (outer, other)
+
+
+def test_a_capture_starting_from_a_wider_break_keeps_it():
+    model = _WithLoop()
+    x = torch.randn(5, 4)
+    captured = capture_graph(model, (x[:4],), breaks=[Break("", "_WithLoop", "another rank's")])
+    assert [b.path for b in captured.breaks] == [""]
     with torch.no_grad():
         assert _close(model(x), _replayed(captured, x))
 

@@ -21,28 +21,6 @@ from models import MLP, Batches, ConvNet, images, join_lightning_world, make_mod
 pytestmark = pytest.mark.floors
 
 
-class Gate(nn.Module):
-    """Data-dependent control flow: capture cannot follow it."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if x.sum() > 0 else -x
-
-
-class GatedMLP(MLP):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = Gate()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.gate(self.body(x.flatten(1))))
-
-
-class BranchingMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.body(x.flatten(1))
-        return self.head(y) if y.mean() > 0 else self.head(-y)
-
-
 class MixingMLP(MLP):
     """Subtracts the batch mean: samples are not independent."""
 
@@ -150,8 +128,6 @@ def _all_errors(rank: int, root: str) -> dict[str, str]:
     # A shared batch read with a random flip of its own on rank 1: the same values, elsewhere.
     flipped = DataLoader([(x8.flip(3) if rank == 1 else x8, y8)], batch_size=None)
     return {
-        "untraceable submodule": _fit_error(GatedMLP(), root),
-        "untraceable forward": _fit_error(BranchingMLP(), root),
         "plan for another model": _fit_error(make_model("mlp"), root, plan=other_model),
         "plan for another world size": _fit_error(make_model("mlp"), root, plan=wrong_world),
         "pins naming no module": _fit_error(make_model("mlp"), root, plan={"classifier": 1}),
@@ -181,18 +157,6 @@ def _on_every_rank(errors: list[dict[str, str]], case: str) -> str:
     texts = [rank_errors[case] for rank_errors in errors]
     assert all(text != "no error" for text in texts), texts
     return "\n".join(texts)
-
-
-def test_untraceable_submodule_names_it_and_suggests_leaf_modules(errors):
-    text = _on_every_rank(errors, "untraceable submodule")
-    assert text.count("'gate' (Gate)") == 2
-    assert text.count("leaf_modules=['gate']") == 2
-
-
-def test_untraceable_forward_suggests_the_module_argument(errors):
-    text = _on_every_rank(errors, "untraceable forward")
-    assert text.count("BranchingMLP.forward converts a tensor computed from the batch") == 2
-    assert text.count("DeepPoolStrategy(module=") == 2
 
 
 def test_plan_file_for_another_model_says_so(errors):

@@ -64,6 +64,25 @@ def test_large_images_example_trains_one_shared_image_split_by_height(tmp_path):
     )
 
 
+FABRIC_LAUNCHERS = {
+    "fabric.launch()": [],
+    # Fabric's console script, as a user types it
+    "fabric run": [Path(sys.executable).parent / "fabric", "run", "--accelerator", "cpu", "--devices", "2"],
+    "torchrun": ["-m", "torch.distributed.run", "--nproc-per-node", "2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", FABRIC_LAUNCHERS)
+def test_fabric_example_trains_under_each_launcher_fabric_offers(tmp_path, launcher):
+    script = EXAMPLES / "fabric_loop.py"
+    out = run_example([*FABRIC_LAUNCHERS[launcher], script, "--max-steps", "3"], tmp_path)
+    assert "predicted step time" in out
+    assert re.search(r"^epoch 0: 3 steps, held-out accuracy [01]\.\d{3}$", out, re.MULTILINE)
+    assert out.strip().splitlines()[-1] == "saved outputs/fabric_loop/checkpoint.ckpt after 3 steps"
+    assert (tmp_path / "outputs" / "fabric_loop" / "checkpoint.ckpt").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.floors
 def test_lightningcli_example_takes_the_strategy_from_yaml(tmp_path):

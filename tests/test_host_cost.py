@@ -30,8 +30,8 @@ STORE_CALLS = ("get", "set", "add", "wait", "check", "compare_set", "multi_get",
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 CPU_BY_CONSTRUCTION = {"comm/messages.py", "session/call_agreement.py"}
 # On purpose: whether a value logged with sync_dist=True is finite, while layers a rank does not run
-# hold NaN (`hooks.check_reduced`): one read per such value, which a GPU waits for.
-CHECKED = {"strategy/hooks.py"}
+# hold NaN (`reads.check_reduced`): one read per such value, which a GPU waits for.
+CHECKED = {"session/reads.py"}
 
 
 class _Counted(pl.Callback):
@@ -112,4 +112,4 @@ def test_a_steady_step_meets_at_its_call_its_collectives_and_its_end(steady):
 def test_a_steady_step_reads_values_on_the_host_only_from_cpu_tensors_and_logged_checks(steady):
     for _, _, host_reads in steady:
         assert set(host_reads) <= CPU_BY_CONSTRUCTION | CHECKED, host_reads
-        assert host_reads.get("strategy/hooks.py") == COUNTED  # the logged train_loss, once a step
+        assert host_reads.get("session/reads.py") == COUNTED  # the logged train_loss, once a step

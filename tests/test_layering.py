@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from layering import MAY_IMPORT, PACKAGE, cycles, layer, layer_cycles, sources, violations
+from layering import (
+    MAY_IMPORT,
+    PACKAGE,
+    cycles,
+    imported_layers,
+    layer,
+    layer_cycles,
+    reached,
+    sources,
+    violations,
+)
 
 pytestmark = pytest.mark.floors
 
@@ -28,6 +38,21 @@ def test_no_import_crosses_the_layering(package):
 
 def test_no_modules_import_each_other(package):
     assert cycles(package) == []
+
+
+FRONT_DOORS = ("strategy", "fabric")  # the Trainer's and Fabric's
+
+
+def test_the_fabric_front_door_reaches_the_same_phases_as_the_trainers(package):
+    edges = imported_layers(package)
+    phases = {"capture", "planner", "lowering", "profiling", "comm", "spatial", "runtime", "install"}
+    assert reached(edges, "fabric") == reached(edges, "strategy") >= phases | {"session"}
+
+
+def test_no_phase_imports_either_front_door(package):
+    edges = imported_layers(package)
+    importers = {name for name, targets in edges.items() if targets & set(FRONT_DOORS)}
+    assert importers == {"__init__"}
 
 
 def test_the_rules_themselves_have_no_cycle():

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from lightning_deeppool.capture import capture_graph
+from lightning_deeppool.capture.graph import value_meta
 from lightning_deeppool.comm.groups import PlanGroups
 from lightning_deeppool.comm.messages import GroupMessages
 from lightning_deeppool.ir.placement import Placement
 from lightning_deeppool.lowering.schedule import build_schedule
 from lightning_deeppool.runtime.grad_sync import GradSync
-from lightning_deeppool.runtime.runtime import BurstRuntime
+from lightning_deeppool.runtime.runtime import BurstRuntime, check_break_output
 
 from distributed import run_distributed
 
@@ -163,3 +164,13 @@ def test_each_action_is_labelled_in_the_profiler_while_one_records():
     [found] = run_distributed(_labels, 1)
     assert found["recorded"] == found["forward"] + found["backward"]
     assert found["later"] == found["backward"]  # the forward ran with no profiler: no labels
+
+
+def test_a_graph_break_output_whose_per_sample_shape_changed_stops_naming_the_break():
+    meta = value_meta(torch.zeros(4, 10, 16), False, [1])
+    check_break_output(["encoder"], torch.ones(2, 10, 16), meta)  # fewer samples: the same structure
+    with pytest.raises(
+        RuntimeError,
+        match=r"graph break 'encoder' .* shapes \[\(9, 16\)\] where the capture saw \[\(10, 16\)\]",
+    ):
+        check_break_output(["encoder"], torch.zeros(4, 9, 16), meta)

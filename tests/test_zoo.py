@@ -145,7 +145,10 @@ def _check_trained(trained: Trained, name: str) -> None:
     references, results = trained
     ranks = results[name]
     assert ranks[0]["steps"] > 0
-    assert len(ranks[0]["placements"]) >= 2, ranks[0]["placements"]
+    if CASES[name].data_parallel:
+        assert ranks[0]["placements"] == [str(len(ranks))]
+    else:
+        assert len(ranks[0]["placements"]) >= 2, ranks[0]["placements"]
     if CASES[name].reference == "ddp":
         assert max_param_diff(ranks[0]["ddp"], ranks[0]["state"]) < TOLERANCE
     else:

@@ -635,6 +635,127 @@ class InceptionNet(Classifier):
         return self.head(torch.cat([self.one(x), self.three(x), self.pooled(x)], 1).flatten(1))
 
 
+class SwitchFFN(nn.Module):
+    """A Switch-style mixture of experts: each token goes to the one expert its router scores highest
+    (`nonzero()` picks its rows), scaled by that score."""
+
+    def __init__(self, dim: int = 16, experts: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim)) for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        gate, choice = self.router(tokens).softmax(-1).max(-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(1)
+            out[rows] = expert(tokens[rows]) * gate[rows, None]
+        return out.reshape(x.shape)
+
+
+class SwitchLanguageModel(LanguageModel):
+    """Embedding, a residual top-1 mixture of experts, linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.moe = SwitchFFN()
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.moe(h))
+
+
+class PackedEncoder(nn.Module):
+    """`pack_padded_sequence` before an LSTM: the last state of each sequence at its own length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 16, batch_first=True)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        lengths = mask.sum(1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return h[-1]
+
+
+class LongestOnly(nn.Module):
+    """Cuts the batch to its longest real sequence (``t = int(mask.sum(1).max())``), then averages the
+    projected embeddings over those ``t`` positions, padding included: the result depends on the
+    batch's longest sequence, which DDP takes per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        t = int(mask.sum(1).max())
+        return torch.tanh(self.proj(x[:, :t])).mean(1)
+
+
+class LongestPrefix(nn.Module):
+    """Cuts the batch to its longest real sequence and returns the cut: its output's length is data."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x[:, : int(mask.sum(1).max())]
+
+
+class PrefixMean(nn.Module):
+    """The mean over `LongestPrefix`'s positions, padding included: a fixed shape again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = LongestPrefix()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.cut(x, mask).mean(1)
+
+
+class SequenceClassifier(pl.LightningModule):
+    """Embeddings, a sequence `encoder` given the padding mask, a projection and a classifier."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.encoder = encoder
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.proj(self.encoder(self.embed(ids), mask))))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = batch
+        return F.cross_entropy(self(ids, mask), labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class CutsInForward(SequenceClassifier):
+    """Slices the batch to its longest real sequence in its own forward, before anything else."""
+
+    def __init__(self) -> None:
+        super().__init__(MaskedMean())
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        t = int(mask.sum(1).max())
+        return super().forward(ids[:, :t], mask[:, :t])
+
+
+class MaskedMean(nn.Module):
+    """The mean over the unpadded positions."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.unsqueeze(-1).to(x.dtype)
+        return (x * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
 @dataclass(frozen=True)
 class Case:
     """One zoo entry: how to build it, its data, and per rank count it trains on (2, and 3 or 4 for
@@ -651,6 +772,7 @@ class Case:
     probe: Callable[[], torch.Tensor] | None = None  # rank 0 alone predicts on it after fit
     compiled: bool = False  # given to fit as `torch.compile(model)`
     collate: Callable[[], Callable[[list[Any]], Any]] | None = None  # makes each loader's collate_fn
+    data_parallel: bool = False  # no plan can mix widths (a graph break in forward itself)
 
 
 def _pins(narrow: str, middle: str | None = None) -> dict[int, dict[str, int]]:
@@ -788,6 +910,19 @@ CASES: dict[str, Case] = {
                 "head": 1,
             },
         },
+    ),
+    "graph-break-top-1-expert-routing-nonzero": Case(SwitchLanguageModel, tokens, _pins("head", "embed")),
+    "graph-break-packed-sequences-before-lstm": Case(
+        lambda: SequenceClassifier(PackedEncoder()), labelled_lengths, _pins("head", "proj")
+    ),
+    "graph-break-slice-to-longest-sequence": Case(
+        lambda: SequenceClassifier(LongestOnly()), labelled_lengths, _pins("head", "proj"), reference="ddp"
+    ),
+    "graph-break-whose-output-length-is-data": Case(
+        lambda: SequenceClassifier(PrefixMean()), labelled_lengths, _pins("head", "proj"), reference="ddp"
+    ),
+    "graph-break-in-forward-itself-trains-data-parallel": Case(
+        CutsInForward, labelled_lengths, _pins("head", "proj"), reference="ddp", data_parallel=True
     ),
     "trainable-code-before-planned-module": Case(
         StemThenBody, images, _pins("3", "0"), strategy={"module": "body"}

@@ -4,14 +4,17 @@
 size; Hugging Face models take their export-friendly paths), falling back to recording the torch calls
 of real runs (`record`) where export fails or `leaf_modules` are given. The trace is cut into layers
 (`layers`) and checked (`check`): replayed layer by layer it must reproduce forward, and no layer may
-mix samples. Anything that cannot be proven is refused with a `CaptureError` that says what to do.
+mix samples. Code neither tracer can represent (a `GraphBreak`: sizes or Python values taken from the
+batch's data) makes the smallest submodule call around it a leaf module run at full width on each
+rank's own samples (`Break`), or, in the planned module's own forward, the whole forward one such
+call. Anything else that cannot be proven is refused with a `CaptureError` that says what to do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,10 +37,12 @@ from lightning_deeppool.capture.layers import cut_into_layers
 from lightning_deeppool.capture.outputs import register_containers
 from lightning_deeppool.capture.record import GuardError, trace_by_recording
 from lightning_deeppool.capture.state import record_state, watch_strings
-from lightning_deeppool.capture.trace import CaptureError, Trace
+from lightning_deeppool.capture.trace import Break, CaptureError, GraphBreak, Trace
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta, take_samples
+from lightning_deeppool.ir.graph import under
 
 __all__ = [
+    "Break",
     "CaptureError",
     "CapturedGraph",
     "GuardError",
@@ -45,6 +50,7 @@ __all__ = [
     "ValueMeta",
     "capture_graph",
     "evaluate",
+    "widest",
 ]
 
 
@@ -56,6 +62,7 @@ def capture_graph(
     leaf_modules: Sequence[str] = (),
     granularity: str = "layer",
     compiler: Compiler | None = None,
+    breaks: Sequence[Break] = (),
 ) -> CapturedGraph:
     """Capture ``type(module).forward`` on an example batch and cut it into layers.
 
@@ -64,16 +71,60 @@ def capture_graph(
     or ``"module"`` (a layer per submodule call). The layers run through `compiler` (the module was
     compiled as a whole), or the compiler of the submodule they belong to where `torch.compile` wrapped
     one. Modules with parametrizations (`torch.nn.utils.parametrize`: spectral or weight norm) are
-    leaf modules too: their weight is computed when read, which export does not trace. Raises
-    `CaptureError` naming the construct that failed and what to do.
+    leaf modules too: their weight is computed when read, which export does not trace. Graph breaks
+    become leaf modules as the module docstring says (`CapturedGraph.breaks`), starting from `breaks`
+    (another capture's, or every rank's: see `widest`). Raises `CaptureError` naming the construct that
+    failed and what to do.
     """
     leaf_modules = _with_parametrized(module, leaf_modules)
     # Captured without autocast, the graph holds no precision casts: under mixed precision each
     # operation is cast when it runs, as in eager.
     device_type = next((p.device.type for p in module.parameters()), "cpu")
-    with torch.autocast(device_type, enabled=False):
-        captured = _capture(module, example_args, example_kwargs or {}, leaf_modules, granularity)
+    found = {b.path: b for b in breaks}
+    while True:
+        leaves = (*(name for name in leaf_modules if not _inside(name, found)), *found)
+        try:
+            with torch.autocast(device_type, enabled=False):
+                captured = _capture(
+                    module, example_args, example_kwargs or {}, leaves, granularity, tuple(found.values())
+                )
+            break
+        except GraphBreak as err:
+            found = _with_break(module, found, leaves, err)
     return dataclasses.replace(captured, compilers=_compilers(module, compiler))
+
+
+def widest(breaks: Iterable[Break]) -> tuple[Break, ...]:
+    """Graph breaks found by several captures (each rank's, on its own data) together, less those
+    inside another, in path order: where every capture starts from them, all make the same graph."""
+    every = {b.path: b for b in breaks}
+    return tuple(every[p] for p in sorted(every) if not any(o != p and under(p, o) for o in every))
+
+
+def _inside(path: str, breaks: Mapping[str, Break]) -> bool:
+    return any(under(path, outer) for outer in breaks)
+
+
+def _with_break(
+    module: nn.Module, breaks: dict[str, Break], leaves: Sequence[str], err: GraphBreak
+) -> dict[str, Break]:
+    """`breaks` with the smallest submodule call around `err` that is not a leaf yet (the whole forward,
+    ``""``, where there is none), keeping the reason of a break it replaces. Raises `CaptureError` where
+    even the whole forward, as one call, cannot be captured."""
+    path = next((p for p in reversed(err.stack) if p not in leaves), "")
+    if path in leaves:  # "" already: the whole forward as one call
+        first = next(iter(breaks.values()))
+        raise CaptureError(
+            f"{type(module).__name__}.forward cannot be captured: {first.reason}; run as one call at full "
+            f"width it still cannot be: {err}. Move that code into training_step, or point the planner at "
+            "the part that can be captured with DeepPoolStrategy(module='<submodule name>')"
+        ) from err
+    replaced = [b for p, b in breaks.items() if under(p, path)]
+    reason = replaced[0].reason if replaced else err.reason
+    kind = type(module.get_submodule(path)).__name__
+    outer = tuple(err.stack[: err.stack.index(path)]) if path in err.stack else ()
+    kept = {p: b for p, b in breaks.items() if not under(p, path)}
+    return {**kept, path: Break(path, kind, reason, outer)}
 
 
 def _with_parametrized(module: nn.Module, leaf_modules: Sequence[str]) -> tuple[str, ...]:
@@ -103,6 +154,7 @@ def _capture(
     example_kwargs: Mapping[str, Any],
     leaf_modules: Sequence[str],
     granularity: str,
+    breaks: tuple[Break, ...] = (),
 ) -> CapturedGraph:
     signature = inspect.signature(type(module).forward.__get__(module))
     mapping = _distinct(call_mapping(signature, example_args, example_kwargs))
@@ -133,8 +185,9 @@ def _capture(
         names=tuple(trace.leaf_names),
         unread=frozenset(i for i, leaf in enumerate(leaves) if isinstance(leaf, str) and i not in touched),
     )
-    captured = _with_input_grads(cut_into_layers(trace, call, granularity), call, mapping)
-    captured = dataclasses.replace(captured, state=state, hooked=hooked)
+    paths = [b.path for b in breaks]
+    captured = _with_input_grads(cut_into_layers(trace, call, granularity, paths), call, mapping)
+    captured = dataclasses.replace(captured, state=state, hooked=hooked, breaks=breaks)
     check_replay(captured, module, mapping)
     check_per_sample(captured, module, mapping)
     return captured
@@ -201,7 +254,7 @@ def _trace(module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[st
 def _record(
     module: nn.Module, mapping: dict[str, Any], leaf_modules: Sequence[str], export_error: Exception | None
 ) -> Trace:
-    for name in leaf_modules:
+    for name in filter(None, leaf_modules):
         try:
             module.get_submodule(name)
         except AttributeError:
@@ -212,7 +265,7 @@ def _record(
         with torch.enable_grad(), preserved(module):
             return trace_by_recording(module, mapping, leaf_modules)
     except CaptureError as err:
-        if export_error is None:
+        if export_error is None or isinstance(err, GraphBreak):
             raise
         first = (
             str(export_error).strip().splitlines()[0]

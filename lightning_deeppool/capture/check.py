@@ -3,7 +3,9 @@
 `check_replay`: evaluated layer by layer, the captured graph reproduces the module's own forward (its
 outputs and its buffers afterwards) on the example batch. `check_per_sample`: no layer's output for one
 sample changes when another sample of the batch changes; batch statistics (BatchNorm in training) are
-the documented exception, so this check evaluates them with running statistics.
+the documented exception, so this check evaluates them with running statistics. Graph breaks
+(`Layer.own_samples`) are the other: they run on each rank's own samples, as DDP runs them, so the
+layers after one are checked on the same values of it for that sample.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.graph import BATCH_SIZE, CapturedGraph, evaluate, preserved
-from lightning_deeppool.capture.trace import CaptureError, describe, where
+from lightning_deeppool.capture.trace import Break, CaptureError, describe, where
 from lightning_deeppool.capture.values import LeafMeta, samples_view, take_samples
 
 _TRAINING_ARGUMENT = 5  # `training` of aten.batch_norm, torch.batch_norm and F.batch_norm
@@ -63,14 +65,15 @@ def check_per_sample(captured: CapturedGraph, module: nn.Module, mapping: dict[s
     first = {name: take_samples(value, 2) for name, value in batch.items()}
     other = {name: value[torch.tensor([0, 2])] for name, value in batch.items()}
     scalars = {name: inputs[name] for name in captured.scalar_inputs}
-    runs = []
+    broken = _break_outputs(captured)
+    runs: list[dict[str, Any]] = []
     with torch.no_grad(), preserved(module):
         for values in (first, other):
             torch.manual_seed(_SEED)
-            runs.append(_run_nodes(captured, values, scalars))
+            runs.append(_run_nodes(captured, values, scalars, broken, runs[0] if runs else None))
     for node in captured.module.graph.nodes:
         leaves = _batch_leaves(captured, node)
-        if not leaves or node.name not in runs[0]:
+        if not leaves or node.name not in runs[0] or node.name in broken:
             continue
         a, b = pytree.tree_leaves(runs[0][node.name]), pytree.tree_leaves(runs[1][node.name])
         for x, y, leaf in zip(a, b, leaves):
@@ -85,10 +88,27 @@ def check_per_sample(captured: CapturedGraph, module: nn.Module, mapping: dict[s
                 )
 
 
+def _break_outputs(captured: CapturedGraph) -> dict[str, tuple[Break, list[LeafMeta]]]:
+    """The nodes of graph breaks' layers, with their break and their leaves where other layers read
+    them."""
+    by_path = {found.path: found for found in captured.breaks}
+    found: dict[str, tuple[Break, list[LeafMeta]]] = {}
+    for layer in captured.graph.layers:
+        if layer.own_samples:
+            for node in captured.code[layer.name].nodes:
+                found[node.name] = (by_path[layer.module or ""], _batch_leaves(captured, node) or [])
+    return found
+
+
 def _run_nodes(
-    captured: CapturedGraph, inputs: Mapping[str, Any], scalars: Mapping[str, Any]
+    captured: CapturedGraph,
+    inputs: Mapping[str, Any],
+    scalars: Mapping[str, Any],
+    broken: Mapping[str, tuple[Break, list[LeafMeta]]],
+    first: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Every node's value in graph order, batch statistics taken from running statistics."""
+    """Every node's value in graph order, batch statistics taken from running statistics; where `first`
+    (an earlier run) is given, the graph breaks' values for sample 0 are taken from it."""
     env: dict[str, Any] = {BATCH_SIZE: 2, **scalars, **inputs}
     gm = captured.module
     modes = {m: m.training for m in gm.modules()}
@@ -99,6 +119,19 @@ def _run_nodes(
             if node.op == "call_module":
                 gm.get_submodule(str(node.target)).eval()
             env[node.name] = _evaluate_without_batch_statistics(gm, node, env)
+            if first is not None and node.name in broken and broken[node.name][1]:
+                found, leaves = broken[node.name]
+                mine_leaves, their_leaves = (
+                    pytree.tree_leaves(env[node.name]),
+                    pytree.tree_leaves(first[node.name]),
+                )
+                for mine, theirs, leaf in zip(mine_leaves, their_leaves, leaves):
+                    if mine.shape != theirs.shape:  # the call around it returns what later layers read
+                        raise found.widened(
+                            f"its output's per-sample shape depends on the data ({tuple(theirs.shape[1:])} "
+                            f"for one pair of samples, {tuple(mine.shape[1:])} for another)"
+                        )
+                    samples_view(mine, leaf)[:1] = samples_view(theirs, leaf)[:1]
     finally:
         for m, flag in modes.items():
             m.training = flag

@@ -41,8 +41,13 @@ _DROPPED = {
 }
 
 
+class DataDependentSize(RuntimeError):
+    """A size the exported graph computes from the batch's data: the recording tracer locates it."""
+
+
 def trace_with_export(module: nn.Module, mapping: dict[str, Any]) -> Trace:
-    """Export ``module(**mapping)`` with a symbolic batch size and rewrite it as a `Trace`."""
+    """Export ``module(**mapping)`` with a symbolic batch size and rewrite it as a `Trace`. Raises
+    `DataDependentSize` for sizes computed from data, `CaptureError` for other sizes it cannot rescale."""
     batch = Dim("batch", min=1)
     dynamic = {
         name: pytree.tree_map(lambda leaf: {0: batch} if is_batch_input(leaf) else None, value)
@@ -222,10 +227,7 @@ def _integer(graph: fx.Graph, batch_node: fx.Node, value: Any, symbol: Any, node
     """An integer node of the exported graph as an `affine` node of the batch size (or a constant)."""
     expr = sympy.sympify(value.node.expr)
     if expr.free_symbols - {symbol}:
-        raise CaptureError(
-            f"node {node.name!r} computes a size from data ({expr}); deeppool needs shapes that depend only "
-            "on the batch size. Move data-dependent code into training_step"
-        )
+        raise DataDependentSize(f"node {node.name!r} computes a size from data ({expr})")
     poly = sympy.Poly(expr, symbol) if expr.free_symbols else None
     if poly is None:
         return int(expr)
@@ -254,6 +256,8 @@ def _leaf(value: Any, symbol: Any, node: fx.Node) -> Leaf | None:
     for dim, size in enumerate(value.shape):
         if isinstance(size, torch.SymInt):
             expr = sympy.sympify(size.node.expr)
+            if expr.free_symbols - {symbol}:
+                raise DataDependentSize(f"node {node.name!r} has a dimension of size {expr}, from data")
             scale = sympy.Poly(expr, symbol).all_coeffs() if expr.free_symbols == {symbol} else []
             if len(scale) != 2 or scale[1] != 0 or not scale[0].is_integer:
                 raise CaptureError(

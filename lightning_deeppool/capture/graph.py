@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.codegen import CompiledLayer, Compiler, compilable
 from lightning_deeppool.capture.state import ModuleState, call_key
-from lightning_deeppool.capture.trace import BATCH_SIZE, CaptureError
+from lightning_deeppool.capture.trace import BATCH_SIZE, Break, CaptureError
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
 from lightning_deeppool.ir.graph import LayerGraph, under
 
@@ -96,6 +96,7 @@ class CapturedGraph:
     compilers: tuple[tuple[str, Compiler], ...] = ()
     state: ModuleState = field(default_factory=ModuleState)
     hooked: tuple[str, ...] = ()  # submodules with forward hooks: forward returns (outputs, their outputs)
+    breaks: tuple[Break, ...] = ()  # code it could not follow, run as Python (`Layer.own_samples`)
     _compiled: dict[str, Evaluate] = field(default_factory=dict, init=False, repr=False, compare=False)
     _stages: dict[tuple[tuple[str, ...], tuple[str, ...]], Evaluate | None] = field(
         default_factory=dict, init=False, repr=False, compare=False

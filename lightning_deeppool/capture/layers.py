@@ -14,7 +14,7 @@ of buffers run once, in the layer of the submodule that makes them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture.graph import CallSignature, CapturedGraph, LayerCode, fetch_attr
+from lightning_deeppool.capture.record import WHOLE_FORWARD
 from lightning_deeppool.capture.split_rules import split_shape
 from lightning_deeppool.capture.trace import CaptureError, Leaf, Trace, describe, where
 from lightning_deeppool.capture.values import LeafMeta, ValueMeta
@@ -45,15 +46,18 @@ _RANDOM = {
 GRANULARITIES = ("layer", "module")
 
 
-def cut_into_layers(trace: Trace, call: CallSignature, granularity: str = "layer") -> CapturedGraph:
-    """The layers of a trace; raises `CaptureError` for values that cannot be split by sample."""
+def cut_into_layers(
+    trace: Trace, call: CallSignature, granularity: str = "layer", breaks: Collection[str] = ()
+) -> CapturedGraph:
+    """The layers of a trace; raises `CaptureError` for values that cannot be split by sample. The layers
+    of the leaf module calls `breaks` (paths; ``""`` the whole forward) are `Layer.own_samples`."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     classified = _classify(trace)
     uses = _ParameterUse(trace.gm)
-    units = _layer_units(trace, classified, uses, granularity)
+    units = _layer_units(trace, classified, uses, granularity, breaks)
     names = _unit_names(units, set(trace.inputs), uses)
-    layers = _LayerBuilder(trace, classified, uses, units, names)
+    layers = _LayerBuilder(trace, classified, uses, units, names, breaks)
     for name, unit in zip(names, units):
         layers.add(name, unit)
     returned = _returned(trace.gm.graph)
@@ -91,13 +95,13 @@ def _classify(trace: Trace) -> _Classified:
 
 
 def _layer_units(
-    trace: Trace, classified: _Classified, uses: _ParameterUse, granularity: str
+    trace: Trace, classified: _Classified, uses: _ParameterUse, granularity: str, breaks: Collection[str]
 ) -> list[list[fx.Node]]:
     """The data-dependent nodes grouped into layers, in execution order (see the module docstring)."""
     units = _units(trace, [n for n in classified.nodes if n.name in classified.tainted])
     units = _merge_units(units, classified.kinds, trace.gm.graph)
     if granularity == "layer":
-        units = _join_cheap_units(units, trace, classified.kinds, uses)
+        units = _join_cheap_units(units, trace, classified.kinds, uses, breaks)
     return units
 
 
@@ -112,8 +116,9 @@ class _LayerBuilder:
         uses: _ParameterUse,
         units: list[list[fx.Node]],
         names: list[str],
+        breaks: Collection[str] = (),
     ) -> None:
-        self.trace, self.classified, self.uses = trace, classified, uses
+        self.trace, self.classified, self.uses, self.breaks = trace, classified, uses, breaks
         self.owner = {node.name: name for name, unit in zip(names, units) for node in unit}
         self.effects = _effects(trace, classified.nodes, classified.tainted, units, names)
         self.order = {n: i for i, n in enumerate(trace.gm.graph.nodes)}
@@ -132,14 +137,15 @@ class _LayerBuilder:
         self.counted.update(fresh)
         per_rank = any(self.classified.kinds[n.name] == "per_rank" for n in unit)
         self.meta[name] = _layer_meta(self.trace, code.outputs, per_rank)
-        height, halo_bytes = (0, 0) if per_rank else split_shape(self.trace, code)
+        broken = _broken(unit, self.breaks)
+        height, halo_bytes = (0, 0) if per_rank or broken is not None else split_shape(self.trace, code)
         first = self.uses.first_user(unit)
-        module = first.meta.get("deeppool_unit")
+        module = first.meta.get("deeppool_unit") if broken is None else broken
         self.layers.append(
             Layer(
                 name=name,
-                op="call_module" if module else "call_function",
-                target=module or describe(first).split(" ", 1)[1],
+                op="call_module" if module is not None else "call_function",
+                target=module if module is not None else describe(first).split(" ", 1)[1],
                 inputs=tuple(producer for producer, _ in code.reads),
                 sample_bytes=self.meta[name].sample_bytes,
                 params=sum(self.params[p].numel() for p in fresh),
@@ -147,6 +153,7 @@ class _LayerBuilder:
                 per_rank=per_rank,
                 height=height,
                 halo_bytes=halo_bytes,
+                own_samples=broken is not None,
             )
         )
 
@@ -169,6 +176,16 @@ class _LayerBuilder:
         closure = _closure(own, self.classified.tainted)
         evaluated = tuple(sorted({*closure, *own}, key=self.order.__getitem__))
         return LayerCode(evaluated, tuple(outputs), tuple((k, tuple(v)) for k, v in reads.items()))
+
+
+def _broken(unit: Sequence[fx.Node], breaks: Collection[str]) -> str | None:
+    """The graph break (a path in `breaks`) whose leaf module call `unit` holds, if any."""
+    for node in unit:
+        if node.op == "call_module":
+            path = "" if node.target == WHOLE_FORWARD else node.meta.get("deeppool_unit")
+            if path in breaks:
+                return str(path)
+    return None
 
 
 def _returned(graph: fx.Graph) -> list[Any]:
@@ -334,13 +351,23 @@ def _merge_units(units: list[list[fx.Node]], kinds: dict[str, str], graph: fx.Gr
 
 
 def _join_cheap_units(
-    units: list[list[fx.Node]], trace: Trace, kinds: dict[str, str], uses: _ParameterUse
+    units: list[list[fx.Node]],
+    trace: Trace,
+    kinds: dict[str, str],
+    uses: _ParameterUse,
+    breaks: Collection[str] = (),
 ) -> list[list[fx.Node]]:
     """Units without parameters join the unit just before them when they read it, or, before any unit
-    with parameters, the unit just after them when it reads them. Per-rank units join only each other.
+    with parameters, the unit just after them when it reads them. Per-rank units join only each other;
+    a graph break's unit (a call of a path in `breaks`) joins none, so it holds its own code alone.
     A join never makes a unit that splits by height unsplittable: such a unit (the head's pooling after
     the last convolution) stays apart and the next unit joins it, where that next unit cannot split
     either."""
+
+    def _joinable(before: list[fx.Node], after: list[fx.Node], kinds: dict[str, str]) -> bool:
+        broken = _broken(before, breaks) is not None or _broken(after, breaks) is not None
+        return not broken and _reads_alike(before, after, kinds)
+
     joined: list[list[fx.Node]] = []
     splits: list[bool] = []  # per joined unit: whether it splits by height
     apart: set[int] = set()  # joined units kept apart to keep the one before them splittable
@@ -380,7 +407,7 @@ def _splits(trace: Trace, unit: list[fx.Node], kinds: dict[str, str]) -> bool:
     return split_shape(trace, LayerCode(tuple(unit), outputs, (("", tuple(reads)),)))[0] > 0
 
 
-def _joinable(before: list[fx.Node], after: list[fx.Node], kinds: dict[str, str]) -> bool:
+def _reads_alike(before: list[fx.Node], after: list[fx.Node], kinds: dict[str, str]) -> bool:
     """`after` reads `before`'s values, and both are per-rank or neither is."""
     inside = set(before)
     reads = any(source in inside for node in after for source in node.all_input_nodes)

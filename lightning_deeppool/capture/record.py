@@ -13,7 +13,7 @@ checkpoint are recorded as computed with gradients (`_in_reentrant_checkpoint`).
 from __future__ import annotations
 
 import contextlib
-import inspect
+import linecache
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from lightning_deeppool.capture.trace import (
     BATCH_SIZE,
     CaptureError,
+    GraphBreak,
     Leaf,
     ModuleCall,
     Trace,
@@ -39,6 +40,8 @@ from lightning_deeppool.capture.trace import (
 from lightning_deeppool.capture.values import take_samples
 
 SIZES = (2, 3, 5)
+# The graph's name of the planned module's whole forward, recorded as one call (leaf module "").
+WHOLE_FORWARD = "whole_forward"
 # Calls that only read metadata: not recorded, their results are shapes and flags, not data.
 _METADATA = {
     "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "is_floating_point",
@@ -84,7 +87,7 @@ class _Entry:
     grad: bool
     module: str | None = None  # a leaf module's path: call it instead of fn
     guard: Any = None
-    where: str = ""
+    frame: tuple[str, int] | None = None  # the user's line that made the call
 
 
 @dataclass
@@ -136,12 +139,13 @@ class _Recorder(TorchFunctionMode):
         leaves, spec = pytree.tree_flatten(out)
         index = len(self.tape.entries)
         grad = torch.is_grad_enabled() or _in_reentrant_checkpoint()
-        entry = _Entry(fn, template[0], template[1], spec, [], tuple(self.stack), grad, module)
+        entry = _Entry(
+            fn, template[0], template[1], spec, [], tuple(self.stack), grad, module, frame=_user_frame()
+        )
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves) and module is None:
             if tainted:
-                raise CaptureError(self.data_dependence(_name(fn)))
+                raise self.data_dependence(_name(fn), entry.frame)
             entry.guard = out
-            entry.where = _user_line()
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 ref = _Ref("entry", index, i)
@@ -152,21 +156,36 @@ class _Recorder(TorchFunctionMode):
             entry.out_leaves.append(leaf)
         self.tape.entries.append(entry)
 
-    def data_dependence(self, call: str) -> str:
-        """The refusal of a Python value taken from batch data, naming where and what to do."""
+    def whole(self, module: nn.Module, mapping: dict[str, Any]) -> Any:
+        """Run `module`'s forward as one recorded call (leaf module ``""``)."""
+        self.suppressed += 1
+        try:
+            out = type(module).forward(module, **mapping)
+        finally:
+            self.suppressed -= 1
+        self.record(None, (), dict(mapping), out, module="")
+        return out
+
+    def data_dependence(self, call: str, frame: tuple[str, int] | None) -> GraphBreak:
+        """The graph break of a Python value taken from batch data, naming where and what to do."""
+        reason = f"converts a tensor computed from the batch to a Python value ({call}){_line(frame)}"
         what = (
-            f"converts a tensor computed from the batch to a Python value ({call}){_user_line()}: "
-            "its control flow or sizes depend on the data, which deeppool cannot split by sample."
+            f"{reason}: its control flow or sizes depend on the data, which deeppool cannot split by sample."
         )
+        stack = tuple(call.path for call in self.stack)
         if not self.stack:
-            return (
+            return GraphBreak(
                 f"{self.root}.forward {what} Move that code into training_step, or point the planner at the "
-                "part that can be captured with DeepPoolStrategy(module='<submodule name>')"
+                "part that can be captured with DeepPoolStrategy(module='<submodule name>')",
+                stack,
+                reason,
             )
         path = self.stack[-1].path
-        return (
+        return GraphBreak(
             f"submodule {path!r} ({self.types[path]}) {what} Plan it as one layer, run as Python at every "
-            f"step: DeepPoolStrategy(leaf_modules=[{path!r}]) (or `deeppool plan --leaf {path}`)"
+            f"step: DeepPoolStrategy(leaf_modules=[{path!r}]) (or `deeppool plan --leaf {path}`)",
+            stack,
+            reason,
         )
 
     def ref(self, value: Any) -> Any:
@@ -214,8 +233,11 @@ def _record(
     paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     recorder.root = type(module).__name__
     recorder.types = {name: type(m).__name__ for name, m in module.named_modules(remove_duplicate=False)}
-    with _module_calls(module, paths, stack, recorder, leaf_modules), recorder:
-        out = type(module).forward(module, **mapping)
+    inner = [name for name in leaf_modules if name]
+    with _module_calls(module, paths, stack, recorder, inner), recorder:
+        out = (
+            recorder.whole(module, mapping) if "" in leaf_modules else type(module).forward(module, **mapping)
+        )
     tape.outputs, tape.out_spec = pytree.tree_flatten(out)
     tape.outputs = [recorder.ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in tape.outputs]
     return tape
@@ -321,8 +343,17 @@ class _GraphBuilder:
         self.guards: list[str] = []
 
     def add_call(self, i: int) -> None:
-        """The nodes of recorded call `i`: the call, its output's leaves and the check of its guard."""
+        """The nodes of recorded call `i`: the call, its output's leaves and the check of its guard.
+        Raises `GraphBreak` where the recordings disagree in a way no graph can represent."""
         entry = self.first.entries[i]
+        try:
+            self._add_call(i, entry)
+        except GraphBreak:
+            raise
+        except CaptureError as err:
+            raise _graph_break(str(err), entry) from err
+
+    def _add_call(self, i: int, entry: _Entry) -> None:
         position = f"call {i} ({_name(entry.fn) if entry.module is None else entry.module})"
         node = self._call_node(i, entry, position)
         outs = [_out_leaf(self.graph, node, j, entry) for j in range(len(entry.out_leaves))]
@@ -341,7 +372,7 @@ class _GraphBuilder:
         )
         if entry.guard is not None or (entry.module is None and not entry.out_leaves):
             check = self.graph.call_function(
-                check_guard, (node, entry.guard, f"{_name(entry.fn)}{entry.where}")
+                check_guard, (node, entry.guard, f"{_name(entry.fn)}{_line(entry.frame)}")
             )
             self.guards.append(check.name)
             self.stacks[check.name] = entry.stack
@@ -353,7 +384,7 @@ class _GraphBuilder:
         merged = [self._arg([f[j] for f in flat_args], position) for j in range(len(flat_args[0]))]
         args, kwargs = pytree.tree_unflatten(merged, spec)
         if entry.module is not None:
-            node = self.graph.call_module(entry.module, tuple(args), kwargs)
+            node = self.graph.call_module(entry.module or WHOLE_FORWARD, tuple(args), kwargs)
         else:
             node = self.graph.call_function(entry.fn, tuple(args), kwargs)
         if not entry.grad:
@@ -371,7 +402,11 @@ class _GraphBuilder:
         """The graph as a module holding the attributes it reads and the leaf modules it calls."""
         for node in self.graph.nodes:
             if node.op == "call_module":
-                self.attrs[str(node.target)] = self.module.get_submodule(str(node.target))
+                target = str(node.target)
+                whole = target == WHOLE_FORWARD
+                self.attrs[target] = (
+                    _WholeForward(self.module) if whole else self.module.get_submodule(target)
+                )
         buffers = {name for name, _ in self.module.named_buffers(remove_duplicate=False)}
         gm = graph_module(self.attrs, self.graph, buffers)
         for node in gm.graph.nodes:
@@ -415,6 +450,24 @@ class _GraphBuilder:
             )
             self.attr_nodes[name] = self.graph.get_attr(name)
         return self.attr_nodes[name]
+
+
+class _WholeForward(nn.Module):
+    """The planned module's own forward as a module the graph calls (its class's forward: the module's
+    call may be the strategy's)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.root = root
+
+    def forward(self, **kwargs: Any) -> Any:
+        return type(self.root).forward(self.root, **kwargs)
+
+
+def _graph_break(message: str, entry: _Entry) -> GraphBreak:
+    """`message` as the graph break of recorded call `entry`, at its line of code."""
+    reason = f"{message}{_line(entry.frame)}"
+    return GraphBreak(reason, tuple(call.path for call in entry.stack), reason)
 
 
 def _out_leaf(graph: fx.Graph, node: fx.Node, index: int, entry: _Entry) -> fx.Node:
@@ -501,19 +554,24 @@ def _leaf_info(values: list[Any], position: str) -> Leaf | None:
 
 
 def _check_same_structure(tapes: list[_Tape]) -> None:
+    """Raise `GraphBreak` at the first call where a recording's control flow differs from the first's."""
     first = tapes[0]
     for size, tape in zip(SIZES[1:], tapes[1:]):
-        if len(tape.entries) != len(first.entries):
-            raise CaptureError(
-                f"the forward made {len(first.entries)} torch calls at batch size {SIZES[0]} and "
-                f"{len(tape.entries)} at batch size {size}: its control flow depends on the batch size"
-            )
         for i, (a, b) in enumerate(zip(first.entries, tape.entries)):
             if a.fn is not b.fn or a.module != b.module or a.guard != b.guard:
-                raise CaptureError(
+                raise _graph_break(
                     f"the forward's call {i} is {_name(a.fn)} at batch size {SIZES[0]} and {_name(b.fn)} at "
-                    f"{size}: its control flow depends on the batch size"
+                    f"{size}: its control flow depends on the batch size",
+                    a,
                 )
+        if len(tape.entries) != len(first.entries):
+            count = min(len(tape.entries), len(first.entries))
+            longer = max(tape.entries, first.entries, key=len)
+            raise _graph_break(
+                f"the forward made {len(first.entries)} torch calls at batch size {SIZES[0]} and "
+                f"{len(tape.entries)} at batch size {size}: its control flow depends on the batch size",
+                longer[count],
+            )
 
 
 def _name(fn: Any) -> str:
@@ -541,12 +599,28 @@ def _in_reentrant_checkpoint() -> bool:
     return False
 
 
+_OURS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _user_frame() -> tuple[str, int] | None:
+    """File and line of the innermost frame outside torch and this package (cheap: no source read)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_OURS) and "contextlib" not in filename:
+            return filename, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _line(frame: tuple[str, int] | None) -> str:
+    """`` at file:line: code`` of a `_user_frame`, or nothing."""
+    if frame is None:
+        return ""
+    code = linecache.getline(*frame).strip()
+    return f" at {frame[0]}:{frame[1]}: {code}"
+
+
 def _user_line() -> str:
     """`file:line: code` of the innermost frame outside torch and this package."""
-    here = os.path.dirname(os.path.dirname(__file__))
-    torch_dir = os.path.dirname(torch.__file__)
-    for frame in inspect.stack()[2:]:
-        if not frame.filename.startswith((here, torch_dir)) and "contextlib" not in frame.filename:
-            code = frame.code_context[0].strip() if frame.code_context else ""
-            return f" at {frame.filename}:{frame.lineno}: {code}"
-    return ""
+    return _line(_user_frame())

@@ -30,6 +30,53 @@ class CaptureError(RuntimeError):
     """The module cannot be cut into layers; the message says what to change."""
 
 
+@dataclass(frozen=True)
+class Break:
+    """A submodule (`path`; ``""``: the planned module's whole forward) of type `kind` planned as one layer
+    run as Python at full width on each rank's own samples, because of `reason` (what broke the graph,
+    at which line)."""
+
+    path: str
+    kind: str
+    reason: str
+    outer: tuple[str, ...] = ()  # the submodule calls around it, outermost first
+
+    def widened(self, reason: str) -> GraphBreak:
+        """The graph break of this break's output (`reason`), to be made at the call around it."""
+        return GraphBreak(f"graph break {self.path!r}: {reason}", (*self.outer, self.path), self.reason)
+
+    def describe(self) -> str:
+        """The one-line account rank 0 prints."""
+        where = f"module {self.path!r} ({self.kind})" if self.path else f"{self.kind}.forward itself"
+        cost = (
+            "runs as Python at full width, on each rank's own samples, as DDP runs it; the layers before "
+            "and after it keep their plan"
+            if self.path
+            else "trains data-parallel: every layer at full width, on each rank's own samples, as DDP"
+        )
+        return f"deeppool: graph break in {where}: {self.reason}. It {cost}"
+
+
+def data_dependent_shape(where: str, found: Any, expected: Any) -> str:
+    """The error of a graph break (`where`) whose output has per-sample shapes `found`, from the data,
+    where the capture saw `expected`."""
+    return (
+        f"deeppool: graph break {where} (code run as Python) returned values of per-sample shapes {found} "
+        f"where the capture saw {expected}: its output's shape depends on the data, so the layers after "
+        "it cannot be planned. Return a shape fixed by the inputs' shapes (pad to a fixed length), or "
+        "move that code into training_step"
+    )
+
+
+class GraphBreak(CaptureError):
+    """Code the capture cannot represent (`reason`: what, and the user's line), run inside the submodule
+    calls `stack` (paths, outermost first; empty for the planned module's own forward)."""
+
+    def __init__(self, message: str, stack: tuple[str, ...], reason: str) -> None:
+        super().__init__(message)
+        self.stack, self.reason = stack, reason
+
+
 class ModuleCall(NamedTuple):
     """One call of a submodule: its qualified name and which call of it this is (0, 1, ...)."""
 

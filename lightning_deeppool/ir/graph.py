@@ -34,7 +34,9 @@ class Layer:
 
     `inputs` names the layers or graph inputs whose values it reads; `sample_bytes` is the size of
     its output per sample; `params`/`param_bytes` count the parameters it owns (a parameter shared
-    by several layers is counted once, at its first user); `per_rank` layers run at full width only.
+    by several layers is counted once, at its first user); `per_rank` layers run at full width only, as
+    do `own_samples` layers: code the capture could not follow (a graph break), run as Python on each
+    rank's own samples, as DDP runs it.
     `height` is the fewest rows (height) of any value it splits when it can run on samples split by
     height (convolutions, pooling, BatchNorm, pointwise operations), 0 when it cannot: at most that
     many parts; `halo_bytes` is what a part between two others reads from them per sample, over all
@@ -51,6 +53,7 @@ class Layer:
     per_rank: bool = False
     height: int = 0
     halo_bytes: int = 0
+    own_samples: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in ("call_module", "call_function", "call_method"):
@@ -192,7 +195,7 @@ def _input_dict(graph_input: GraphInput) -> dict[str, Any]:
 
 def _layer_dict(layer: Layer) -> dict[str, Any]:
     data = {**asdict(layer), "inputs": list(layer.inputs)}
-    for key in ("per_rank", "height", "halo_bytes"):
+    for key in ("per_rank", "height", "halo_bytes", "own_samples"):
         if not data[key]:
             del data[key]  # the common case stays out of plan and profile files, and fingerprints
     return data

@@ -343,10 +343,16 @@ def placements_for(plan: Plan, graph: LayerGraph) -> dict[str, Placement]:
     """Each layer of `graph` (the planned forward captured again, for other values it read) at the
     plan's placement, or at full width where the plan has none (a layer the planned capture did not
     run); plan layers `graph` lacks are left out. Raises ValueError naming a layer that cannot run at
-    its placement."""
+    its placement, or a graph break (`Layer.own_samples`) the plan gives less than full width."""
     planned = plan.placements()
     found = {layer.name: planned.get(layer.name, Placement(plan.world_size)) for layer in graph.layers}
     for layer in graph.layers:
+        if layer.own_samples and found[layer.name] != Placement(plan.world_size):
+            raise ValueError(
+                f"layer {layer.name!r} breaks the graph here (code the capture could not follow) but runs at "
+                f"{found[layer.name]} in the plan, and a graph break runs at full width; pin "
+                f"{layer.module!r} to full width ({plan.world_size})"
+            )
         checks.check_placement(
             layer, found[layer.name], world_size=plan.world_size, global_batch_size=plan.global_batch_size
         )
@@ -378,10 +384,12 @@ def plan_with_widths(
             raise ValueError(f"layer {layer.name!r} has no width")
         placement = checks.as_placement(widths[layer.name], f"layer {layer.name!r}")
         checks.check_placement(layer, placement, world_size=world_size, global_batch_size=global_batch_size)
-        if layer.per_rank and placement != Placement(world_size):
+        if (layer.per_rank or layer.own_samples) and placement != Placement(world_size):
+            what = "reduces over each rank's samples (a loss inside forward)"
+            if layer.own_samples:
+                what = "runs code the capture could not follow on each rank's own samples (a graph break)"
             raise ValueError(
-                f"layer {layer.name!r} reduces over each rank's samples (a loss inside forward): it must run "
-                f"at the full width {world_size}, not {placement}"
+                f"layer {layer.name!r} {what}: it must run at the full width {world_size}, not {placement}"
             )
         placements[layer.name] = placement
     sizes = {"world_size": world_size, "global_batch_size": global_batch_size}

@@ -131,8 +131,11 @@ def resolve_pins(
         keys = [key for key in (layer.module, _uncompiled(layer.module), layer.name) if key is not None]
         return any(under(key, prefix) for key in keys)
 
+    def inside(prefix: str, layer: Layer) -> bool:  # a graph break runs its submodules as Python
+        return layer.own_samples and layer.module is not None and under(prefix, layer.module)
+
     for prefix in pins:
-        if not any(matches(prefix, layer) for layer in graph.layers):
+        if not any(matches(prefix, layer) or inside(prefix, layer) for layer in graph.layers):
             examples = list(dict.fromkeys(layer.module for layer in graph.layers if layer.module))[:8]
             raise ValueError(
                 f"pin {prefix!r} matches no layer; pin a module name or a prefix of one, e.g. {examples}"
@@ -161,8 +164,11 @@ def _uncompiled(module: str | None) -> str | None:
 
 
 def full_width_layers(graph: LayerGraph, world_size: int) -> dict[str, Placement]:
-    """Per-rank layers (reductions over each rank's own samples) run at full width, whatever the pins."""
-    return {layer.name: Placement(world_size) for layer in graph.layers if layer.per_rank}
+    """Per-rank layers (reductions over each rank's own samples) and graph breaks (code run as Python on
+    each rank's own samples) run at full width, whatever the pins."""
+    return {
+        layer.name: Placement(world_size) for layer in graph.layers if layer.per_rank or layer.own_samples
+    }
 
 
 def amplification(

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_deeppool.capture import CapturedGraph, ValueMeta
 from lightning_deeppool.capture.graph import preserved, value_meta
+from lightning_deeppool.capture.trace import data_dependent_shape
 from lightning_deeppool.capture.values import LeafMeta, rows_view, samples_view
 from lightning_deeppool.comm.messages import GroupMessages, Messages
 from lightning_deeppool.ir.placement import Layout, Placement
@@ -93,6 +94,7 @@ class BurstRuntime:
         self.messages = messages or GroupMessages(redistribution)
         self.home = Placement(self.world_size)
         self.shared = shared
+        self._breaks = {layer.name for layer in captured.graph.layers if layer.own_samples}
         self.keep_last_step = False
         self.last_step: _CallState | None = None
         self.running: Action | None = None  # the action a failure stopped the schedule at, if any
@@ -199,10 +201,16 @@ class BurstRuntime:
         self, batch: dict[str, torch.Tensor], scalars: dict[str, Any]
     ) -> dict[str, ValueMeta]:
         """Per-sample structure of every value under the current autocast state (which decides
-        dtypes), from two all-zero samples so every rank gets the same answer."""
-        zeros = {name: t.new_zeros((2, *t.shape[1:])) for name, t in batch.items()}
+        dtypes), from two all-zero samples so every rank gets the same answer; where graph breaks run
+        Python on the data (a length taken from a mask, which zeros would make 0), from two of this
+        rank's own samples: a break's outputs keep the per-sample structure the capture saw whatever
+        the data (`check_break_output`), so every rank's answer is the same too."""
+        if self.captured.breaks and all(len(t) for t in batch.values()):
+            two = {name: t[torch.arange(2, device=t.device) % len(t)] for name, t in batch.items()}
+        else:
+            two = {name: t.new_zeros((2, *t.shape[1:])) for name, t in batch.items()}
         with torch.no_grad(), preserved(self.captured.module, self.device):
-            values = self.captured.run_all(zeros, 2, scalars)
+            values = self.captured.run_all(two, 2, scalars)
         meta = dict(self.captured.meta)
         for layer in self.captured.graph.layers:
             known = self.captured.meta[layer.name]
@@ -235,6 +243,9 @@ class BurstRuntime:
             )
         else:
             self._run_split(step, stage, values, samples)
+        broken = self._breaks.intersection(stage.layers) if self._breaks else set()
+        for name in stage.outputs if broken else ():
+            check_break_output(sorted(broken), values[name], step.meta[name])
         produced = {name: values[name] for name in stage.outputs}
         step.outputs[stage.index] = produced
         for name, value in produced.items():
@@ -579,3 +590,15 @@ class _RunBackward(torch.autograd.Function):
             offset += len(run.slots)
         ctx.routed = None
         return (None, None, *returned)
+
+
+def check_break_output(breaks: list[str], value: Any, meta: ValueMeta) -> None:
+    """Raise where `value`, an output of a stage that runs graph breaks (the layers `breaks`), lost the
+    per-sample structure (`meta`) by which the plan moves it and the layers after it were captured:
+    code run as Python may compute it from the data, which a plan cannot follow."""
+    rows = [leaf.rows for leaf in meta.leaves]
+    found = value_meta(value, meta.per_rank, rows)
+    if found != meta:
+        shapes = [leaf.shape for leaf in found.leaves]
+        expected = [leaf.shape for leaf in meta.leaves]
+        raise RuntimeError(data_dependent_shape(", ".join(map(repr, breaks)), shapes, expected))

@@ -30,17 +30,33 @@ from lightning_deeppool.runtime.call import Call, Row, check, shape_groups, with
 from lightning_deeppool.runtime.runtime import BurstRuntime, run_shapes
 from lightning_deeppool.runtime.verify import first_difference
 from lightning_deeppool.session.call_agreement import CallAgreement, call_site
-from lightning_deeppool.session.modules import own_forward, replace_forward, restore_forward
+from lightning_deeppool.session.modules import (
+    own_forward,
+    replace_forward,
+    restore_forward,
+    sync_buffers,
+    sync_module_states,
+)
 from lightning_deeppool.session.plan_session import PlanSession
 
 
 class ForwardCalls:
     """Replaces `target.forward` on this rank (see the module docstring) until `close`."""
 
-    def __init__(self, session: PlanSession, target: nn.Module, agreement: CallAgreement | None) -> None:
+    def __init__(
+        self,
+        session: PlanSession,
+        target: nn.Module,
+        agreement: CallAgreement | None,
+        opens_step: Callable[[], bool] | None = None,
+    ) -> None:
+        """`opens_step`, where given, says whether a call made outside a step opens one (a loop of the
+        user's own, whose steps end where the front door calls `end_step`); without it, only
+        `training_step` opens steps."""
         self.session = session
         self.target = target
         self.agreement = agreement
+        self.opens_step = opens_step
         self.in_training_step = False
         self.stale = False  # this rank's copies of layers it does not run are out of date
         self.stale_anywhere = False  # some rank's are: a refresh is due (the same on every rank)
@@ -54,7 +70,9 @@ class ForwardCalls:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.in_training_step:
-            return self._unplanned(args, kwargs)
+            if self.opens_step is None or not self.opens_step():
+                return self._unplanned(args, kwargs)
+            self.begin_step()
         installation = self.session.installed
         if installation is not None and installation.data_parallel:
             with self.session.step_times.work():
@@ -94,14 +112,25 @@ class ForwardCalls:
     def training_step(self) -> Iterator[None]:
         """The ranks meet where each training step ends, under every plan: a collective some rank
         issued in the step and another did not stops every rank there, before the gradients' sums."""
+        self.begin_step()
+        try:
+            yield
+        except BaseException:
+            self.in_training_step = False  # no meeting: the others may be meeting elsewhere, or gone
+            raise
+        self.end_step()
+
+    def begin_step(self) -> None:
         if self.agreement is not None:
             self.agreement.begin_step()
         self.in_training_step = True
-        try:
-            yield
-        finally:
-            self.in_training_step = False
-        if self.agreement is not None:  # not after a failure: the others may be meeting elsewhere, or gone
+
+    def end_step(self) -> None:
+        """This rank makes no more planned calls in the step: it meets the others where it ends."""
+        if not self.in_training_step:
+            return
+        self.in_training_step = False
+        if self.agreement is not None:
             self.agreement.end_step()
 
     # ---------------------------------------------------------------------------------- calls
@@ -229,10 +258,10 @@ class ForwardCalls:
                 f"deeppool: rank {rank} called {type(self.target).__name__}.forward outside the planned "
                 "calls of the training step (in a callback or hook, or in a call only some ranks make). "
                 f"Rank {rank} updates only the layers it runs, so its copy of the others is out of date "
-                "until validation or the end of fit. "
-                "Make that call on rank 0 (`if trainer.is_global_zero:`), which holds every parameter, "
-                "or in validation_step, or set DeepPoolStrategy(current_weights=True) to keep every rank's "
-                "copy current"
+                "until the next refresh: validation or the end of fit under the Trainer, model.eval() "
+                "(on every rank) under Fabric. Make that call on rank 0 (`if trainer.is_global_zero:`), "
+                "which holds every parameter, or in validation_step (after model.eval() under Fabric), or "
+                "set DeepPoolStrategy(current_weights=True) to keep every rank's copy current"
             )
         outputs = self._original(*args, **kwargs)
         if not torch.is_grad_enabled():
@@ -288,7 +317,7 @@ class ForwardCalls:
 
     def after_optimizer_step(self) -> None:
         """Layers a rank does not run went stale there: sent to it where `current_weights` asks, else
-        held as NaN until the next refresh."""
+        released (NaN placeholders holding no memory) until the next refresh."""
         installation = self.session.installed
         if installation is None or not installation.narrow:
             return
@@ -301,10 +330,33 @@ class ForwardCalls:
         self.stale_anywhere = True
         rank = self.session.fit.rank
         self.stale = not installation.owns_everything(rank)
-        installation.poison_unheld(rank)
+        installation.release_unheld(rank)
 
-    def refreshed(self) -> None:
+    def refresh(self) -> None:
+        """Check the ranks that train a parameter together agree on it, then give every rank rank 0's
+        buffers, and its parameters where some rank does not hold every layer (evaluation runs every
+        layer on every rank, and a run ends with every rank's weights current), as DDP's evaluation sees
+        them. Collective."""
+        installation = self.session.installed
+        if installation is None:
+            return
+        self.check_replicas()  # before rank 0's values overwrite a difference
+        root = self.session.fit.root
+        if not installation.narrow:
+            # Parameters agree (checked); buffers are each rank's own, where DDP's are rank 0's.
+            sync_buffers(root)
+            return
+        installation.hold_unheld()
+        sync_module_states(root)
         self.stale = self.stale_anywhere = False
+
+    def check_replicas(self) -> None:
+        """The ranks that train a parameter together compare their copies; raises on a difference.
+        Collective, once the plan has settled."""
+        installation = self.session.installed
+        if installation is not None and installation.settled:
+            with self.session.idle.window("check_replicas"):
+                installation.check_replicas()
 
     def close(self) -> None:
         restore_forward(self.target)

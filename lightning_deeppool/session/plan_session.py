@@ -103,10 +103,10 @@ class PlanSession:
         if self.installed is not None:
             self.installed.sync(self.fit.optimizers(), optimizer)
 
-    def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The norm of `grads` to clip by, the same on every rank: rank 0 holds every gradient, so its
-        norm is the global one (collective once installed)."""
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    def global_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The `norm_type`-norm of `grads` to clip by, the same on every rank: rank 0 holds every
+        gradient, so its norm is the global one (collective once installed)."""
+        norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
         norm = norm.to(self.fit.device, torch.float32)
         if self.installed is not None:
             with self.idle.window("clip_norm"):

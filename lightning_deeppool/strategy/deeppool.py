@@ -28,22 +28,30 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_deeppool.comm.messages import SmallGather
-from lightning_deeppool.install import Compiler, PlanOptions
-from lightning_deeppool.ir.profile import DEFAULT_BUCKET_BYTES, Profile
+from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
+from lightning_deeppool.runtime.unheld_weights import write_note
 from lightning_deeppool.session.call_agreement import CallAgreement
-from lightning_deeppool.session.ddp_options import bucket_size_mb, check_ddp_kwargs, comm_hook
 from lightning_deeppool.session.forward_calls import ForwardCalls
-from lightning_deeppool.session.modules import patch_scaler_overflow, sync_buffers, sync_module_states
+from lightning_deeppool.session.modules import patch_scaler_overflow, sync_module_states
+from lightning_deeppool.session.options import (
+    DEFAULT_BUCKET_MB,
+    PlanSource,
+    check_every,
+    compile_options,
+    layer_compiler,
+    plan_options,
+)
 from lightning_deeppool.session.plan_session import Fit, PlanSession
+from lightning_deeppool.session.reads import check_reduced
 from lightning_deeppool.session.step_times import summary
 from lightning_deeppool.strategy.hooks import (
+    HoldReleasedWeights,
     RefreshForEvaluation,
     callbacks,
     check_decision,
-    check_reduced,
     lost_connection,
     reads_gradients,
 )
@@ -53,8 +61,6 @@ from lightning_deeppool.strategy.patches import (
     replace_wait_between_steps,
     take_compiler,
 )
-
-PlanSource = str | Path | Mapping[str, int | Mapping[str, Any]] | None
 
 
 class DeepPoolStrategy(DDPStrategy):
@@ -121,7 +127,7 @@ class DeepPoolStrategy(DDPStrategy):
         cache_dir: str | Path | Literal[False] | None = None,
         exempt_below_s: float = DEFAULT_EXEMPT_BELOW_S,
         memory_budget_bytes: float | None = None,
-        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         shared_batch: bool = False,
         check_every_n_steps: int = 100,
         compile_layers: bool | Mapping[str, Any] = False,
@@ -142,21 +148,27 @@ class DeepPoolStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        if check_every_n_steps < 0:
-            raise ValueError(f"check_every_n_steps must be >= 0, got {check_every_n_steps}")
-        if not amplification_limit >= 1.0:
-            raise ValueError(f"amplification_limit must be >= 1 (or inf), got {amplification_limit}")
-        if not isinstance(compile_layers, bool | Mapping):
-            raise TypeError(
-                "compile_layers must be True, False or a mapping of torch.compile's keyword arguments, "
-                f"got {type(compile_layers).__name__}"
-            )
-        if plan is not None and not isinstance(plan, str | Path | Mapping):
-            raise TypeError(
-                f"plan must be None, a plan file path or a mapping of pins, got {type(plan).__name__}"
-            )
-        check_ddp_kwargs(kwargs)
-        hook = comm_hook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
+        options = plan_options(
+            amplification_limit=amplification_limit,
+            plan=plan,
+            save_plan=save_plan,
+            leaf_modules=leaf_modules,
+            granularity=granularity,
+            profile_warmup=profile_warmup,
+            profile_repeats=profile_repeats,
+            cache_dir=cache_dir,
+            exempt_below_s=exempt_below_s,
+            memory_budget_bytes=memory_budget_bytes,
+            bucket_mb=bucket_mb,
+            shared_batch=shared_batch,
+            branches=branches,
+            current_weights=current_weights,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            ddp_kwargs=kwargs,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -172,25 +184,6 @@ class DeepPoolStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,  # LightningCLI resolves them through DDPStrategy to DistributedDataParallel
         )
-        bucket_mb = bucket_size_mb(bucket_mb, DEFAULT_BUCKET_BYTES / 2**20, kwargs.get("bucket_cap_mb"))
-        options = PlanOptions(
-            amplification_limit=float(amplification_limit),
-            plan_source=dict(plan) if isinstance(plan, Mapping) else plan,
-            save_plan=save_plan,
-            leaf_modules=tuple(leaf_modules),
-            granularity=granularity,
-            profile_warmup=profile_warmup,
-            profile_repeats=profile_repeats,
-            cache_dir=cache_dir,
-            exempt_below_s=exempt_below_s,
-            memory_budget_bytes=memory_budget_bytes,
-            bucket_bytes=int(bucket_mb * 2**20),
-            shared_batch=shared_batch,
-            branches=branches,
-            comm_hook=hook,
-            bucket_view=gradient_as_bucket_view is not False,
-            current_weights=current_weights,
-        )
         self.module_name = module
         self.idle_windows = IdleWindows()
         self.session = PlanSession(options, self.idle_windows)
@@ -199,10 +192,11 @@ class DeepPoolStrategy(DDPStrategy):
         self._sync_gradients = True
         self._failed = False
         self._restore_between_steps: Callable[[], None] | None = None
-        self.check_every_n_steps = check_every_n_steps
-        self.compile_layers = dict(compile_layers) if isinstance(compile_layers, Mapping) else compile_layers
+        self.check_every_n_steps = check_every(check_every_n_steps)
+        self.compile_layers = compile_options(compile_layers)
         self._checked_at = 0
         self._refresh_for_evaluation = RefreshForEvaluation(self._refresh_parameters)
+        self._hold_released = HoldReleasedWeights(self._hold_unheld)
         self._trainer_callbacks: list[pl.Callback] = []
         self._failed_collective: str | None = None  # the hook that issued a collective that failed
         self._unheld_after_fit: dict[int, list[str]] = {}  # see `_unheld`
@@ -270,7 +264,7 @@ class DeepPoolStrategy(DDPStrategy):
                 lambda: self.optimizers,
                 self._log_dir,
                 reads_gradients=reads_gradients(trainer, self.lightning_module),
-                compiler=take_compiler(self.lightning_module) or self._layer_compiler(),
+                compiler=take_compiler(self.lightning_module) or layer_compiler(self.compile_layers),
             )
         )
         self._calls = ForwardCalls(self.session, self._planned_module(), self._agreement())
@@ -283,14 +277,7 @@ class DeepPoolStrategy(DDPStrategy):
             patch_scaler_overflow(scaler, self.root_device)
         self._trainer_callbacks = callbacks(trainer)
         self._trainer_callbacks.append(self._refresh_for_evaluation)  # last: after the user's epoch hooks
-
-    def _layer_compiler(self) -> Compiler | None:
-        """`torch.compile` with the options of `compile_layers`, where it asks for one."""
-        if self.compile_layers is False:
-            return None
-        options = {} if self.compile_layers is True else self.compile_layers
-        compiler: Compiler = torch.compile(**options)
-        return compiler
+        self._trainer_callbacks.insert(0, self._hold_released)  # first: before any callback writes weights
 
     def _agreement(self) -> CallAgreement | None:
         if self.world_size < 2:
@@ -328,29 +315,20 @@ class DeepPoolStrategy(DDPStrategy):
             )
 
     def _refresh_parameters(self, where: str = "before evaluation") -> None:
-        """Check the ranks that train a parameter together agree on it, then give every rank rank 0's
-        buffers, and its parameters where some rank does not hold every layer (evaluation runs every
-        layer on every rank, and fit ends with every rank's weights current), as DDP's evaluation sees
-        them. Collective, issued `where`: a rank still in a collective of a hook of its own stops every
-        rank, naming both."""
-        installed = self.session.installed
-        if installed is None or self._calls is None:
+        """`ForwardCalls.refresh`, issued `where`: a rank still in a collective of a hook of its own
+        stops every rank, naming both."""
+        if self.session.installed is None or self._calls is None:
             return
-        assert self.lightning_module is not None
         with self._collective("refresh of parameters", hook=where):
-            self._check_replicas()  # before rank 0's values overwrite a difference
-            if not installed.narrow:
-                # Parameters agree (checked); buffers are each rank's own, where DDP's are rank 0's.
-                sync_buffers(self.lightning_module)
-                return
-            sync_module_states(self.lightning_module)
-        self._calls.refreshed()
+            self._calls.refresh()
+
+    def _hold_unheld(self) -> None:
+        if self.session.installed is not None:
+            self.session.installed.hold_unheld()
 
     def _check_replicas(self) -> None:
-        installed = self.session.installed
-        if installed is not None and installed.settled:
-            with self.idle_windows.window("check_replicas"):
-                installed.check_replicas()
+        if self._calls is not None:
+            self._calls.check_replicas()
 
     @override
     def teardown(self) -> None:
@@ -370,8 +348,9 @@ class DeepPoolStrategy(DDPStrategy):
             self._gather.close()
             self._gather = None
         self.session.end_fit()
-        if self._refresh_for_evaluation in self._trainer_callbacks:
-            self._trainer_callbacks.remove(self._refresh_for_evaluation)
+        for callback in (self._refresh_for_evaluation, self._hold_released):
+            if callback in self._trainer_callbacks:
+                self._trainer_callbacks.remove(callback)
         if self._restore_between_steps is not None:
             self._restore_between_steps()
             self._restore_between_steps = None
@@ -397,7 +376,11 @@ class DeepPoolStrategy(DDPStrategy):
                 f"{self._failed_collective} (self.log(..., sync_dist=True), all_gather, barrier, "
                 "broadcast); every rank must issue the same ones, in the same order"
             )
-        runtime = self.session.installed.runtime if self.session.installed is not None else None
+        installed = self.session.installed
+        note = write_note(exception, installed.released, self.global_rank) if installed is not None else None
+        if note is not None:
+            exception.add_note(note)
+        runtime = installed.runtime if installed is not None else None
         action = runtime.running if runtime is not None else None
         if action is not None:
             exception.add_note(

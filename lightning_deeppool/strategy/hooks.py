@@ -16,33 +16,6 @@ from typing_extensions import override
 from lightning_deeppool.install import InstalledPlan
 
 
-def check_reduced(
-    finite: torch.Tensor, result: torch.Tensor, not_held: Callable[[int], list[str]], hook: str | None
-) -> None:
-    """Raise on every rank if a value reduced across ranks (`result`, the same on every rank) is not
-    finite because a rank computed it (its value before the reduction was `finite`, or not) from the
-    parameters it does not hold (`not_held`), which hold NaN there between refreshes (as does any copy
-    taken of them then), while rank 0's, which holds every parameter, is finite. Every rank takes the
-    same branch; a host sync, under plans with such layers."""
-    if bool(torch.isfinite(result).all()):
-        return
-    mine = not bool(finite)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    readers = [r for r, bad in enumerate(every) if bad and not_held(r)]
-    if readers and not every[0]:
-        unheld = "; ".join(f"rank {r} does not hold {not_held(r)[:6]}" for r in readers)
-        raise RuntimeError(
-            f"deeppool: a value reduced across ranks in {hook or 'a hook'} (self.log(..., sync_dist=True), "
-            f"say) is NaN because ranks {readers} computed it from parameters of layers they do not run "
-            f"({unheld}), or from a copy of them (an EMA of the weights, say): those ranks hold them as "
-            "NaN between each optimizer step and the next refresh (validation, the end of fit). Set "
-            "DeepPoolStrategy(current_weights=True) to send them to every rank after each optimizer "
-            "step, or compute such values on rank 0, which holds every parameter "
-            "(self.log(..., rank_zero_only=True) or `if self.trainer.is_global_zero:`)"
-        )
-
-
 def check_decision(
     decision: bool, metrics: Mapping[str, Any], installed: InstalledPlan, hook: str | None
 ) -> None:
@@ -111,6 +84,31 @@ class RefreshForEvaluation(pl.Callback):
     @override
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.refresh()
+
+
+class HoldReleasedWeights(pl.Callback):
+    """First of the callbacks: gives every rank storage again for the weights it released (NaN until
+    the refresh that follows the other callbacks' epoch hooks) before any callback writes weights in
+    place, as weight averaging does at each evaluation epoch's start and where training ends."""
+
+    def __init__(self, hold: Callable[[], None]) -> None:
+        self.hold = hold
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hold()
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hold()
+
+    @override
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hold()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hold()
 
 
 def lost_connection(exception: BaseException) -> bool:
