@@ -5,8 +5,8 @@ user's: a freed large tensor goes back to the system; `vs_ddp.py`'s fixed thresh
 timings, keep freed memory in the heap and so hide what a rank stops holding). Runs alternate between the
 configurations; per rank, the median over runs of:
 
-- `peak_rss_mb`: the process's peak resident set at the end of the last step (`ru_maxrss`: start-up,
-  profiling and planning included);
+- `peak_rss_mb`: the process's peak resident set over the whole run (start-up, profiling and planning
+  included): the larger of the peak before the reset below and the peak after it;
 - `after_install_mb`: the peak at the end of the first step (the plan is profiled and installed in it);
 - `training_peak_mb`: the peak over the steps after the fifth (the peak is reset there, through
   `/proc/self/clear_refs`), when training holds what it holds at every step.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,16 +54,19 @@ class Peaks(pl.Callback):
 
     def __init__(self) -> None:
         self.peaks: dict[str, float] = {}
+        self._before_reset = 0.0
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         step = trainer.global_step
         if step == 1:
             self.peaks["after_install_mb"] = _hwm_mb()
         if step == RESET_AFTER:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+            self._before_reset = _hwm_mb()
+            # resets VmHWM (and ru_maxrss, which reads it) to the current resident set
+            Path("/proc/self/clear_refs").write_text("5")
         if step == trainer.max_steps:
             self.peaks["training_peak_mb"] = _hwm_mb()
-            self.peaks["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            self.peaks["peak_rss_mb"] = max(self._before_reset, self.peaks["training_peak_mb"])
 
 
 def run_one(config: str, steps: int, out: Path) -> None:
