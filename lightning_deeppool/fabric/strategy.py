@@ -35,9 +35,9 @@ from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
-from lightning_deeppool.session.call_agreement import CallAgreement
+from lightning_deeppool.session.call_agreement import CallAgreement, meeting
 from lightning_deeppool.session.forward_calls import ForwardCalls
-from lightning_deeppool.session.modules import patch_scaler_overflow, sync_module_states
+from lightning_deeppool.session.modules import patch_scaler_overflow, planned_submodule, sync_module_states
 from lightning_deeppool.session.options import (
     DEFAULT_BUCKET_MB,
     PlanSource,
@@ -45,6 +45,7 @@ from lightning_deeppool.session.options import (
     compile_options,
     layer_compiler,
     plan_options,
+    register_names,
 )
 from lightning_deeppool.session.plan_session import Fit, PlanSession
 from lightning_deeppool.session.reads import check_reduced
@@ -157,14 +158,7 @@ class DeepPoolStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("deeppool", "popen"), ("deeppool_spawn", "spawn")):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DeepPool burst-parallel strategy with start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
+        register_names(cls, strategy_registry)
 
     # --------------------------------------------------------------------------------- setup
     @override
@@ -190,7 +184,7 @@ class DeepPoolStrategy(DDPStrategy):
                 compiler=layer_compiler(self.compile_layers),
             )
         )
-        target = _submodule(module, self.module_name)
+        target = planned_submodule(module, self.module_name)
         self._calls = ForwardCalls(self.session, target, self._agreement(), torch.is_grad_enabled)
         # Fabric compiles the module given to setup compiled again around this forward: it must run
         # eagerly (its layers compile with `compile_layers`).
@@ -204,11 +198,8 @@ class DeepPoolStrategy(DDPStrategy):
         return optimizer
 
     def _agreement(self) -> CallAgreement | None:
-        if self.world_size < 2:
-            return None
-        timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        self._gather = SmallGather(timeout_s)
-        return CallAgreement(self._gather, self.global_rank)
+        agreement, self._gather = meeting(self.world_size, self.global_rank, self._timeout)
+        return agreement
 
     def _log_dir(self) -> str | None:
         return None  # Fabric has no run directory: the plan is written to `save_plan` only
@@ -368,19 +359,6 @@ class _BlockGradientSync(_BackwardSyncControl):
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[None]:
         return self.strategy.block_backward_sync() if enabled else nullcontext()
-
-
-def _submodule(module: nn.Module, name: str | None) -> nn.Module:
-    if name is None:
-        return module
-    try:
-        return module.get_submodule(name)
-    except AttributeError:
-        names = [child for child, _ in module.named_children()]
-        raise ValueError(
-            f"DeepPoolStrategy(module={name!r}): {type(module).__name__} has no such submodule; its "
-            f"children are {names}"
-        ) from None
 
 
 def _refresh_on_eval(module: nn.Module, refresh: Callable[[], None]) -> None:

@@ -30,9 +30,12 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import NamedTuple, NoReturn
 
 import torch
+
+from lightning_deeppool.comm.messages import SmallGather
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Every rank's tensor (the same shape on each), stacked in rank order on every rank. Collective."""
@@ -185,3 +188,15 @@ def _library_dirs() -> tuple[str, ...]:
         os.path.dirname(module.__file__ or "")
         for module in (sys.modules["torch"], sys.modules["lightning"], sys.modules["lightning_deeppool"])
     )
+
+
+def meeting(
+    world_size: int, rank: int, timeout: timedelta | None
+) -> tuple[CallAgreement | None, SmallGather | None]:
+    """Where this rank meets the others: a `CallAgreement` over a `SmallGather` that waits as long as
+    the process group does (30 minutes without a timeout), and that gather, for its owner to close;
+    neither for one rank."""
+    if world_size < 2:
+        return None, None
+    gather = SmallGather(timeout.total_seconds() if timeout is not None else 1800.0)
+    return CallAgreement(gather, rank), gather

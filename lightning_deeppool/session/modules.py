@@ -96,3 +96,18 @@ def own_forward(module: nn.Module) -> Iterator[None]:
 def restore_forward(module: nn.Module) -> None:
     if "forward" in vars(module):
         del module.forward
+
+
+def planned_submodule(module: nn.Module, name: str | None) -> nn.Module:
+    """The submodule `name` of `module` whose forward is planned (`module` itself for None); raises
+    ValueError naming `module`'s children where it has none of that name."""
+    if name is None:
+        return module
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        names = [child for child, _ in module.named_children()]
+        raise ValueError(
+            f"DeepPoolStrategy(module={name!r}): {type(module).__name__} has no such submodule; its "
+            f"children are {names}"
+        ) from None

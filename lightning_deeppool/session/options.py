@@ -92,3 +92,16 @@ def layer_compiler(compile_layers: bool | Mapping[str, Any]) -> Compiler | None:
     options = {} if compile_layers is True else compile_layers
     compiler: Compiler = torch.compile(**options)
     return compiler
+
+
+def register_names(strategy: type, registry: Any) -> None:
+    """Register `strategy` in a Lightning strategy registry (the Trainer's or Fabric's) as
+    ``"deeppool"`` (subprocess launcher) and ``"deeppool_spawn"`` (spawn)."""
+    for name, start_method in (("deeppool", "popen"), ("deeppool_spawn", "spawn")):
+        registry.register(
+            name,
+            strategy,
+            description=f"DeepPool burst-parallel strategy with start_method '{start_method}'",
+            override=True,
+            start_method=start_method,
+        )

@@ -33,9 +33,9 @@ from lightning_deeppool.planner.plan import Plan
 from lightning_deeppool.planner.search import DEFAULT_EXEMPT_BELOW_S
 from lightning_deeppool.runtime.idle import IdleWindows
 from lightning_deeppool.runtime.unheld_weights import write_note
-from lightning_deeppool.session.call_agreement import CallAgreement
+from lightning_deeppool.session.call_agreement import CallAgreement, meeting
 from lightning_deeppool.session.forward_calls import ForwardCalls
-from lightning_deeppool.session.modules import patch_scaler_overflow, sync_module_states
+from lightning_deeppool.session.modules import patch_scaler_overflow, planned_submodule, sync_module_states
 from lightning_deeppool.session.options import (
     DEFAULT_BUCKET_MB,
     PlanSource,
@@ -43,6 +43,7 @@ from lightning_deeppool.session.options import (
     compile_options,
     layer_compiler,
     plan_options,
+    register_names,
 )
 from lightning_deeppool.session.plan_session import Fit, PlanSession
 from lightning_deeppool.session.reads import check_reduced
@@ -224,14 +225,7 @@ class DeepPoolStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("deeppool", "popen"), ("deeppool_spawn", "spawn")):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DeepPool burst-parallel strategy with start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
+        register_names(cls, strategy_registry)
 
     # ------------------------------------------------------------------------------- lifecycle
     @override
@@ -280,11 +274,8 @@ class DeepPoolStrategy(DDPStrategy):
         self._trainer_callbacks.insert(0, self._hold_released)  # first: before any callback writes weights
 
     def _agreement(self) -> CallAgreement | None:
-        if self.world_size < 2:
-            return None
-        timeout_s = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        self._gather = SmallGather(timeout_s)
-        return CallAgreement(self._gather, self.global_rank)
+        agreement, self._gather = meeting(self.world_size, self.global_rank, self._timeout)
+        return agreement
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -538,18 +529,8 @@ class DeepPoolStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------ forward takeover
     def _planned_module(self) -> nn.Module:
-        module = self.lightning_module
-        assert module is not None
-        if self.module_name is None:
-            return module
-        try:
-            return module.get_submodule(self.module_name)
-        except AttributeError:
-            names = [name for name, _ in module.named_children()]
-            raise ValueError(
-                f"DeepPoolStrategy(module={self.module_name!r}): {type(module).__name__} has no such "
-                f"submodule; its children are {names}"
-            ) from None
+        assert self.lightning_module is not None
+        return planned_submodule(self.lightning_module, self.module_name)
 
     def _log_dir(self) -> str | None:
         """The run's log directory (collective: `trainer.log_dir` broadcasts)."""
