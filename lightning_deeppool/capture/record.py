@@ -111,8 +111,6 @@ class _Recorder(TorchFunctionMode):
         self.tape, self.refs, self.tainted, self.stack = tape, refs, tainted, stack
         self.alive: list[Any] = []  # keeps recorded tensors alive so their ids stay unique
         self.suppressed = 0
-        self.root = ""
-        self.types: dict[str, str] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -167,26 +165,9 @@ class _Recorder(TorchFunctionMode):
         return out
 
     def data_dependence(self, call: str, frame: tuple[str, int] | None) -> GraphBreak:
-        """The graph break of a Python value taken from batch data, naming where and what to do."""
+        """The graph break of a Python value taken from batch data, at the user's line (`frame`)."""
         reason = f"converts a tensor computed from the batch to a Python value ({call}){_line(frame)}"
-        what = (
-            f"{reason}: its control flow or sizes depend on the data, which deeppool cannot split by sample."
-        )
-        stack = tuple(call.path for call in self.stack)
-        if not self.stack:
-            return GraphBreak(
-                f"{self.root}.forward {what} Move that code into training_step, or point the planner at the "
-                "part that can be captured with DeepPoolStrategy(module='<submodule name>')",
-                stack,
-                reason,
-            )
-        path = self.stack[-1].path
-        return GraphBreak(
-            f"submodule {path!r} ({self.types[path]}) {what} Plan it as one layer, run as Python at every "
-            f"step: DeepPoolStrategy(leaf_modules=[{path!r}]) (or `deeppool plan --leaf {path}`)",
-            stack,
-            reason,
-        )
+        return GraphBreak(reason, tuple(c.path for c in self.stack), reason)
 
     def ref(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -231,8 +212,6 @@ def _record(
     stack: list[ModuleCall] = []
     recorder = _Recorder(tape, refs, tainted, stack)
     paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    recorder.root = type(module).__name__
-    recorder.types = {name: type(m).__name__ for name, m in module.named_modules(remove_duplicate=False)}
     inner = [name for name in leaf_modules if name]
     with _module_calls(module, paths, stack, recorder, inner), recorder:
         out = (
