@@ -36,6 +36,7 @@ from lightning_deeppool.lowering.schedule import Schedule, build_schedule
 from lightning_deeppool.planner.plan import Plan, placements_for
 from lightning_deeppool.planner.search import search
 from lightning_deeppool.profiling.cache import default_cache_dir
+from lightning_deeppool.profiling.heap import give_back
 from lightning_deeppool.profiling.on_ranks import profile_on_ranks
 from lightning_deeppool.runtime.comm_hook import CommHook
 from lightning_deeppool.runtime.grad_sync import GradSync
@@ -105,6 +106,7 @@ def install(
     if not same_shapes:  # every rank captures and profiles at rank 0's shapes; the others come after
         args, kwargs = _broadcast_call(args, kwargs, 0, device)
     captured = _capture(options, target, args, kwargs, compiler)
+    give_back(device)  # what tracing allocated, once
     if options.shared_batch:
         _check_shareable(captured)
     profile = None

@@ -81,16 +81,16 @@ def linear_profile(
     *,
     max_batch: int,
     comm: CommProfile = SLOW_LINK,
-    peak_bytes_per_sample: dict[str, int] | None = None,
+    activation_bytes_per_sample: dict[str, int] | None = None,
 ) -> Profile:
     """Times ``fixed + per_sample * b`` (and memory ``bytes * b``) measured at every batch 1..max_batch."""
     batches = tuple(range(1, max_batch + 1))
     layers = {}
     for name, (fixed, per_sample) in times.items():
-        peak = None
-        if peak_bytes_per_sample is not None:
-            peak = tuple(peak_bytes_per_sample[name] * b for b in batches)
-        layers[name] = LayerProfile(name, batches, tuple(fixed + per_sample * b for b in batches), peak)
+        kept = None
+        if activation_bytes_per_sample is not None:
+            kept = tuple(activation_bytes_per_sample[name] * b for b in batches)
+        layers[name] = LayerProfile(name, batches, tuple(fixed + per_sample * b for b in batches), kept)
     return Profile(graph.fingerprint, "synthetic", "float32", layers, comm)
 
 

@@ -173,21 +173,6 @@ def test_moving_a_value_between_disjoint_halves_moves_every_sample():
     assert seconds == pytest.approx(2 * SLOW_LINK.redistribute_time(4000))
 
 
-def test_memory_counts_a_layer_on_its_ranks_and_its_parameters_on_rank_zero():
-    graph = chain(2, params=1000)
-    profile = linear_profile(
-        graph,
-        dict.fromkeys(["l0", "l1"], (1e-3, 1e-4)),
-        max_batch=8,
-        peak_bytes_per_sample={"l0": 100, "l1": 10},
-    )
-    memory = cost.memory_per_rank(
-        graph, profile, {"l0": Placement(2), "l1": Placement(2, 1, 2)}, world_size=4, global_batch_size=8
-    )
-    l0, l1 = 100 * 4 + 8000, 10 * 4 + 8000
-    assert memory == [l0 + 8000, l0, l1, l1]
-
-
 @pytest.mark.parametrize("contention", [0.0, 0.5])
 def test_without_layers_side_by_side_the_schedule_is_the_serial_step_less_the_hidden_sync(contention):
     graph = towers()

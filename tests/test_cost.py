@@ -186,19 +186,6 @@ def test_ddp_baseline_has_no_transfers_and_syncs_every_layer_over_the_world():
     assert ddp.layers["l0"].compute_s == pytest.approx(1e-3 + 3 * 1e-4)
 
 
-def test_memory_per_rank_counts_only_the_layers_a_rank_runs():
-    graph = chain(2, params=1000)
-    profile = linear_profile(
-        graph,
-        dict.fromkeys(["l0", "l1"], (1e-3, 1e-4)),
-        max_batch=10,
-        peak_bytes_per_sample={"l0": 100, "l1": 1000},
-    )
-    memory = cost.memory_per_rank(graph, profile, {"l0": 4, "l1": 1}, **SIZES)
-    l0, l1 = 100 * 3 + 8000, 1000 * 10 + 8000
-    assert memory == [l0 + l1, l0, l0, l0]
-
-
 def test_batch_smaller_than_world_is_rejected_with_what_to_change():
     with pytest.raises(
         ValueError, match=r"global batch size 3 is smaller than the world size 4;.*raise the batch"
@@ -334,21 +321,6 @@ def test_evaluate_charges_halo_exchange_and_moves_between_splits_as_transfer():
     assert step.layers["head"].transfer_s == pytest.approx(
         gather + cost.transfer_time(SLOW_LINK, 64, 1, 4, **sizes)
     )
-
-
-def test_memory_of_a_split_layer_is_its_share_of_the_rows():
-    graph = spatial_graph()
-    profile = linear_profile(
-        graph,
-        dict.fromkeys(("conv0", "conv1", "head"), (1e-3, 1e-4)),
-        max_batch=4,
-        peak_bytes_per_sample=dict.fromkeys(("conv0", "conv1", "head"), 1000),
-    )
-    conv = dataclasses.replace(graph.layer("conv1"), halo_bytes=0)
-    # 1 group of 4 samples, each in 4 parts of 2 of its 8 rows: a quarter of 4000 bytes.
-    assert cost.layer_memory(profile, conv, Placement(4, 4), 4) == 1000 + 8000
-    assert cost.layer_memory(profile, conv, Placement(4), 4) == 1000 + 8000
-    assert cost.layer_memory(profile, conv, Placement(2), 4) == 2000 + 8000
 
 
 def test_a_batch_smaller_than_the_world_is_allowed_when_a_layer_can_be_split_by_height():

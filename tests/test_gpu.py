@@ -35,8 +35,8 @@ def test_cuda_profile_has_event_times_and_growing_peak_memory():
     profiles = profile_layers(captured, captured.bind((x,), {}), [1, 64], device="cuda", repeats=3)
     conv = profiles["conv"]
     assert all(s > 0 for s in conv.seconds)
-    assert conv.peak_bytes is not None
-    assert conv.peak_bytes[1] > conv.peak_bytes[0]
+    assert conv.activation_bytes is not None
+    assert conv.activation_bytes[1] > conv.activation_bytes[0]
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])

@@ -8,9 +8,9 @@ from lightning_deeppool.profiling import layers as layers_module
 from lightning_deeppool.profiling.layers import (
     assign_layers,
     candidate_batch_sizes,
+    measure_optimizer_step,
     merge_layer_profiles,
     profile_layers,
-    time_optimizer_step,
     time_whole_model,
 )
 
@@ -79,7 +79,7 @@ def test_profile_has_every_layer_at_every_batch_size(net):
         assert layer.name == name
         assert layer.batch_sizes == tuple(SIZES)
         assert len(layer.seconds) == len(SIZES) and all(s > 0 for s in layer.seconds)
-        assert layer.peak_bytes is None  # CPU
+        assert layer.activation_bytes is not None and len(layer.activation_bytes) == len(SIZES)
 
 
 def test_profile_time_grows_with_batch_size():
@@ -185,7 +185,7 @@ def test_optimizer_step_is_timed_on_copies_leaving_parameters_and_state_alone():
     layer = nn.Linear(256, 256)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
     before = [p.detach().clone() for p in layer.parameters()]
-    seconds = time_optimizer_step([optimizer])
+    seconds = measure_optimizer_step([optimizer]).seconds
     assert seconds > 0
     assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
     assert optimizer.state_dict()["state"] == {}
@@ -195,9 +195,44 @@ def test_optimizer_step_is_timed_on_copies_leaving_parameters_and_state_alone():
 def test_optimizer_step_time_scales_to_every_element_when_sampling():
     layers = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(8)))
     optimizer = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9)
-    full = time_optimizer_step([optimizer], repeats=5)
-    sampled = time_optimizer_step([optimizer], max_elements=512 * 512, repeats=5)
+    full = measure_optimizer_step([optimizer], repeats=5).seconds
+    sampled = measure_optimizer_step([optimizer], max_elements=512 * 512, repeats=5).seconds
     assert 0.2 * full < sampled < 5 * full
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "states"),
+    [
+        (lambda params: torch.optim.SGD(params, lr=0.1), 0.0),
+        (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 1.0),
+        (lambda params: torch.optim.Adam(params), 2.0),
+    ],
+)
+def test_optimizer_state_is_measured_in_bytes_per_parameter_byte(optimizer, states):
+    layer = nn.Linear(256, 256)
+    assert measure_optimizer_step([optimizer(layer.parameters())]).states == pytest.approx(states, abs=1e-3)
+
+
+@pytest.mark.parametrize(("activation", "outputs_kept"), [(nn.Tanh(), 1), (nn.GELU(), 2)])
+def test_a_layer_keeps_what_autograd_saves_beyond_its_inputs_and_parameters(activation, outputs_kept):
+    # Linear saves its input and weight (not counted); tanh saves its output, GELU its input (the
+    # linear's output) as well: one or two 128-float outputs per sample.
+    model = nn.Sequential(nn.Linear(64, 128), activation, nn.Linear(128, 8))
+    captured = capture_graph(model, (torch.randn(4, 64),))
+    env = captured.bind((torch.randn(4, 64),), {})
+    first = profile_layers(captured, env, [1, 4], warmup=0, repeats=1)[captured.graph.layers[0].name]
+    assert first.activation_bytes == tuple(outputs_kept * 128 * 4 * b for b in (1, 4))
+
+
+def test_profiling_keeps_no_reference_to_a_layers_weights():
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 8))
+    captured = capture_graph(model, (torch.randn(4, 64),))
+    profile_layers(captured, captured.bind((torch.randn(4, 64),), {}), [1, 4], warmup=0, repeats=1)
+    weight = model[0].weight
+    storage = weight.untyped_storage()._weak_ref()
+    weight.data = torch.zeros(0)
+    assert torch.UntypedStorage._expired(storage)
+    torch.UntypedStorage._free_weak_ref(storage)
 
 
 def test_a_whole_pass_leaves_grads_and_running_stats_alone(net):

@@ -13,23 +13,28 @@ from typing import Any
 # A profile file of another version is refused and a cached one is not found (the version is part of
 # the key), so the model is profiled again: raise it whenever what a profile holds, or how it is
 # measured, changes.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 @dataclass(frozen=True)
 class LayerProfile:
     """Forward+backward seconds (median) of one layer at increasing per-device batch sizes.
 
-    `peak_bytes` is the memory the layer needs at each batch size (activations kept for backward
-    plus workspace); None where memory was not measured (CPU). `spread` is, per batch size, the
-    median absolute deviation of the timed runs from their median; None where not recorded.
+    `activation_bytes` is, at each batch size, what the layer's forward leaves alive for its backward
+    (its output and the tensors autograd saved, not its inputs or parameters): measured on CUDA,
+    computed from the tensors' storages on CPU; None where not recorded. `saved_input_bytes` is, at each
+    batch size, the bytes of its inputs autograd saved (a copy of an input the runtime makes, moved from
+    another placement or padded with a halo, stays alive that far), computed on every device. `spread`
+    is, per batch size, the median absolute deviation of the timed runs from their median; None where
+    not recorded.
     """
 
     name: str
     batch_sizes: tuple[int, ...]
     seconds: tuple[float, ...]
-    peak_bytes: tuple[int, ...] | None = None
+    activation_bytes: tuple[int, ...] | None = None
     spread: tuple[float, ...] | None = None
+    saved_input_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes:
@@ -44,8 +49,12 @@ class LayerProfile:
             )
         if any(s < 0 for s in self.seconds):
             raise ValueError(f"layer {self.name!r}: negative time in {self.seconds}")
-        if self.peak_bytes is not None and len(self.peak_bytes) != len(self.batch_sizes):
-            raise ValueError(f"layer {self.name!r}: peak_bytes does not match batch_sizes")
+        for label, values in (
+            ("activation_bytes", self.activation_bytes),
+            ("saved_input_bytes", self.saved_input_bytes),
+        ):
+            if values is not None and len(values) != len(self.batch_sizes):
+                raise ValueError(f"layer {self.name!r}: {label} does not match batch_sizes")
         if self.spread is not None and (
             len(self.spread) != len(self.batch_sizes) or any(s < 0 for s in self.spread)
         ):
@@ -59,12 +68,6 @@ class LayerProfile:
         """The times fitted to a non-decreasing function of the batch size (least squares, by pooling
         adjacent violators): a noisy measurement cannot make a layer look faster on more samples."""
         return replace(self, seconds=tuple(nondecreasing(self.seconds)))
-
-    def memory(self, batch_size: int) -> float | None:
-        """Bytes at `batch_size`, interpolated like `time`; None when memory was not measured."""
-        if self.peak_bytes is None:
-            return None
-        return _interpolate(self.name, "memory", self.batch_sizes, self.peak_bytes, batch_size)
 
 
 def _scaled(layer: LayerProfile, factor: float) -> LayerProfile:
@@ -273,8 +276,10 @@ class Profile:
     """Everything the cost model needs about one model on one kind of device.
 
     `optimizer_s` is one optimizer update of every parameter on one device: rank 0 owns every layer,
-    so every plan (and DDP) pays it once per step. `compute_scale` is a whole forward+backward pass
-    over the sum of its layers' times (see `calibrated`); the planner reads layer times scaled by it.
+    so every plan (and DDP) pays it once per step. `optimizer_states` is the optimizer's state in bytes
+    per parameter byte (1 for SGD with momentum, 2 for Adam), measured on a replica of the optimizers.
+    `compute_scale` is a whole forward+backward pass over the sum of its layers' times (see
+    `calibrated`); the planner reads layer times scaled by it.
     """
 
     graph_fingerprint: str
@@ -283,10 +288,13 @@ class Profile:
     layers: dict[str, LayerProfile]
     comm: CommProfile = field(default_factory=CommProfile)
     optimizer_s: float = 0.0
+    optimizer_states: float = 1.0
     compute_scale: float = 1.0
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
+        if self.optimizer_states < 0:
+            raise ValueError(f"optimizer_states must be >= 0, got {self.optimizer_states}")
         if not self.compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {self.compute_scale}")
 
@@ -327,6 +335,7 @@ class Profile:
             },
             "comm": self.comm.to_dict(),
             "optimizer_s": self.optimizer_s,
+            "optimizer_states": self.optimizer_states,
             "compute_scale": self.compute_scale,
         }
 
@@ -339,8 +348,9 @@ class Profile:
                 name=p["name"],
                 batch_sizes=tuple(p["batch_sizes"]),
                 seconds=tuple(p["seconds"]),
-                peak_bytes=tuple(p["peak_bytes"]) if p.get("peak_bytes") is not None else None,
-                spread=tuple(p["spread"]) if p.get("spread") is not None else None,
+                activation_bytes=_optional(p.get("activation_bytes")),
+                spread=_optional(p.get("spread")),
+                saved_input_bytes=_optional(p.get("saved_input_bytes")),
             )
             for name, p in data["layers"].items()
         }
@@ -351,6 +361,7 @@ class Profile:
             layers=layers,
             comm=CommProfile.from_dict(data["comm"]),
             optimizer_s=float(data["optimizer_s"]),
+            optimizer_states=float(data.get("optimizer_states", 1.0)),
             compute_scale=float(data.get("compute_scale", 1.0)),
         )
 
@@ -361,3 +372,7 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _optional(values: list[Any] | None) -> tuple[Any, ...] | None:
+    return None if values is None else tuple(values)

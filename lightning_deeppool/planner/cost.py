@@ -38,9 +38,7 @@ functions, no torch. A layer at `Placement(w, s)` (a plain int is width w, s = 1
   (backward) are there; its transfers run on its own ranks. All-reduces on disjoint ranks run side by
   side too. The step is the latest rank's clock; `StepCost.concurrent_s` is what that saves over
   running every layer one after the other (0 when every layer starts at rank 0).
-- memory (`layer_memory`): the activation memory profiled at b, scaled by the row share a part holds,
-  plus parameters and gradients, on each of its w ranks; rank 0 also holds the parameters and
-  gradients of every layer it does not run.
+- memory: `planner.memory` estimates it per rank, apart from time.
 - sizes: graph inputs and outputs live at width N (with B < N, ranks B.. hold no sample). Every layer
   needs ``g <= B``, so with B < N only layers split by height run wider than B, and layers that reduce
   over each rank's samples (`Layer.per_rank`) cannot run at all (`checks.check_sizes`).
@@ -523,39 +521,3 @@ def ddp_baseline(graph: LayerGraph, profile: Profile, *, world_size: int, global
         world_size=world_size,
         global_batch_size=global_batch_size,
     )
-
-
-def layer_memory(
-    profile: Profile, layer: Layer, width: int | Placement, global_batch_size: int, *, halo: float = 0.0
-) -> float:
-    """Bytes on each of the layer's devices: profiled peak at its batch (0 if unmeasured), scaled by
-    the share of each sample a part holds (`row_share`), plus params and grads."""
-    placement = Placement.of(width)
-    peak = profile.layer(layer.name).memory(per_device_batch(global_batch_size, placement.groups))
-    return (peak or 0.0) * row_share(layer, placement.spatial, halo) + 2 * layer.param_bytes
-
-
-def has_memory(profile: Profile, graph: LayerGraph) -> bool:
-    """Whether any layer of the graph has profiled memory."""
-    return any(profile.layer(layer.name).peak_bytes is not None for layer in graph.layers)
-
-
-def memory_per_rank(
-    graph: LayerGraph,
-    profile: Profile,
-    widths: Mapping[str, int | Placement],
-    *,
-    world_size: int,
-    global_batch_size: int,
-) -> list[float]:
-    """Estimated bytes per rank: the layers it runs (those whose ranks include it); rank 0 also holds the
-    parameters and gradients of the layers it does not run."""
-    memory = np.zeros(world_size)
-    for layer in graph.layers:
-        placement = Placement.of(widths[layer.name])
-        memory[_span(placement)] += layer_memory(
-            profile, layer, placement, global_batch_size, halo=halo_share(graph, layer)
-        )
-        if placement.first > 0:
-            memory[0] += 2 * layer.param_bytes
-    return [float(m) for m in memory]

@@ -1,11 +1,14 @@
-"""Memory per rank of a plan, estimated from sizes in the layer graph (not measured).
+"""Memory per rank of a plan, estimated from the layer graph's sizes and the profile's activations.
 
 A rank holds the parameters of the layers it runs, each with its gradient and `optimizer_states`
-more copies (optimizer state: 1 for SGD with momentum, the default; 0 for plain SGD; 2 for Adam);
-rank 0, which updates every parameter, holds every one. A parameter several layers use (`Tied`) is
-held once by every rank that runs one of its users. Activations kept for backward: each layer's
-output (`Layer.sample_bytes`) for the samples the rank holds at that layer, times the share of each
-sample a part holds where samples are split by height. Workspace, the allocator's slack and the
+bytes of optimizer state per parameter byte (the profile's, measured on the user's optimizers; 1, SGD
+with momentum, without a profile); rank 0, which updates every parameter, holds every one. A
+parameter several layers use (`Tied`) is held once by every rank that runs one of its users.
+Activations kept for backward: each layer's profiled `activation_bytes` per sample (its output's
+`Layer.sample_bytes` where the profile has none) for the samples the rank holds at that layer, times
+the share of each sample a part holds where samples are split by height; and the copy of each input
+a layer receives from another placement (or pads with its neighbours' rows), which the layer may
+keep for its backward as it would keep its input. Workspace, the allocator's slack and the
 framework's own memory are not counted.
 """
 
@@ -13,11 +16,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lightning_deeppool.ir.graph import LayerGraph
-from lightning_deeppool.ir.placement import Layout, Placement
-from lightning_deeppool.planner.cost import row_share
+import numpy as np
 
-DEFAULT_OPTIMIZER_STATES = 1  # SGD with momentum: one momentum buffer per parameter
+from lightning_deeppool.ir.graph import Layer, LayerGraph
+from lightning_deeppool.ir.placement import Layout, Placement, per_device_batch
+from lightning_deeppool.ir.profile import Profile
+from lightning_deeppool.planner.cost import halo_share
+
+DEFAULT_OPTIMIZER_STATES = 1.0  # SGD with momentum: one momentum buffer per parameter
+
+
+def per_sample_activations(layer: Layer, profile: Profile | None, batches: np.ndarray) -> np.ndarray:
+    """Bytes per sample the layer keeps for backward at each per-device batch in `batches`: the
+    profile's `activation_bytes` interpolated (clamped to its range), else its output's bytes."""
+    measured = None if profile is None else profile.layer(layer.name)
+    if measured is None or measured.activation_bytes is None:
+        return np.full(len(batches), float(layer.sample_bytes))
+    sizes = np.asarray(measured.batch_sizes)
+    return np.interp(batches, sizes, np.asarray(measured.activation_bytes) / sizes)
+
+
+def optimizer_states(profile: Profile | None) -> float:
+    """Optimizer-state bytes per parameter byte: the profile's, else SGD with momentum's."""
+    return DEFAULT_OPTIMIZER_STATES if profile is None else profile.optimizer_states
 
 
 def held_param_bytes(graph: LayerGraph, placements: Mapping[str, Placement], world_size: int) -> list[int]:
@@ -39,18 +60,75 @@ def held_param_bytes(graph: LayerGraph, placements: Mapping[str, Placement], wor
 
 
 def activation_bytes(
-    graph: LayerGraph, placements: Mapping[str, Placement], *, world_size: int, global_batch_size: int
+    graph: LayerGraph,
+    placements: Mapping[str, Placement],
+    *,
+    world_size: int,
+    global_batch_size: int,
+    profile: Profile | None = None,
 ) -> list[int]:
-    """Bytes of layer outputs each rank keeps for backward: per layer, its samples at that layer
-    times `sample_bytes`, times the share of each sample it holds when split by height."""
+    """Bytes each rank keeps for backward: per layer, its samples at that layer times the layer's
+    bytes per sample (`per_sample_activations`) and those of the input copies it keeps
+    (`_kept_copies`), times the share of each sample the rank holds when split by height (`_part`)."""
     kept = [0.0] * world_size
     for layer in graph.layers:
         placement = placements[layer.name]
         layout = Layout.of(placement, global_batch_size, world_size)
-        share = row_share(layer, placement.spatial)
+        batch = per_device_batch(global_batch_size, placement.groups)
+        halo = halo_share(graph, layer)
+        copied = [
+            name
+            for name in dict.fromkeys(layer.inputs)
+            if _copied(graph, placements, name, placement, halo, world_size)
+        ]
+        activations = float(per_sample_activations(layer, profile, np.array([batch]))[0])
+        copies = _kept_copies(graph, layer, profile, batch, copied)
         for rank in placement.ranks:
-            kept[rank] += layout.samples(rank) * layer.sample_bytes * share
+            rows, with_halo = _part(layout, rank, layer, halo)
+            kept[rank] += layout.samples(rank) * (activations * rows + copies * with_halo)
     return [round(value) for value in kept]
+
+
+def _part(layout: Layout, rank: int, layer: Layer, halo: float) -> tuple[float, float]:
+    """The share of each sample `rank` holds of the layer's rows, without and with the halo it reads
+    (half of `halo` from each neighbouring part): (1, 1) unsplit."""
+    if layout.spatial == 1:
+        return 1.0, 1.0
+    rows = layout.block(rank, layer.height).rows / layer.height
+    _, index = layout.part(rank)
+    neighbours = (index > 0) + (index < layout.spatial - 1)
+    return rows, min(1.0, rows + halo * neighbours / 2)
+
+
+def _kept_copies(
+    graph: LayerGraph, layer: Layer, profile: Profile | None, batch: int, copied: list[str]
+) -> float:
+    """Bytes per sample of the `copied` inputs the layer keeps for backward: their share of the input
+    bytes it saves where profiled (`LayerProfile.saved_input_bytes`), else all of them."""
+    if not copied:
+        return 0.0
+    copies = sum(graph.value_sample_bytes(name) for name in copied)
+    measured = None if profile is None else profile.layer(layer.name)
+    if measured is None or measured.saved_input_bytes is None:
+        return float(copies)
+    inputs = sum(graph.value_sample_bytes(name) for name in dict.fromkeys(layer.inputs))
+    sizes = np.asarray(measured.batch_sizes)
+    saved = float(np.interp(batch, sizes, np.asarray(measured.saved_input_bytes) / sizes))
+    return saved * copies / inputs if inputs else 0.0
+
+
+def _copied(
+    graph: LayerGraph,
+    placements: Mapping[str, Placement],
+    name: str,
+    placement: Placement,
+    halo: float,
+    world_size: int,
+) -> bool:
+    """Whether a layer at `placement` runs on a copy of input `name`: made where it comes from another
+    placement (graph inputs are at full width), or padded with the halo a split reads."""
+    source = placements[name] if graph.position(name) >= 0 else Placement(world_size)
+    return source != placement or (placement.spatial > 1 and halo > 0)
 
 
 def memory_per_rank(
@@ -59,16 +137,17 @@ def memory_per_rank(
     *,
     world_size: int,
     global_batch_size: int,
-    optimizer_states: int = DEFAULT_OPTIMIZER_STATES,
+    profile: Profile | None = None,
 ) -> tuple[int, ...]:
     """Estimated peak bytes per rank: held parameters times (1 parameter + 1 gradient +
     `optimizer_states`), plus the activations kept for backward (see the module docstring)."""
-    if optimizer_states < 0:
-        raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
     found = {name: Placement.of(value) for name, value in placements.items()}
     params = held_param_bytes(graph, found, world_size)
-    kept = activation_bytes(graph, found, world_size=world_size, global_batch_size=global_batch_size)
-    return tuple(p * (2 + optimizer_states) + a for p, a in zip(params, kept, strict=True))
+    kept = activation_bytes(
+        graph, found, world_size=world_size, global_batch_size=global_batch_size, profile=profile
+    )
+    states = optimizer_states(profile)
+    return tuple(round(p * (2 + states)) + a for p, a in zip(params, kept, strict=True))
 
 
 def summary(memory: tuple[int, ...]) -> str:

@@ -73,7 +73,7 @@ class Plan:
     of one step with such layers side by side (None: the layers' compute one after the other).
     `alternative` is the best plan of another shape the search weighed it against (None for a plan
     it did not search: given, or costed from widths). `memory_bytes` is the estimated peak bytes per
-    rank (`memory.memory_per_rank`, from sizes, not measured; empty in plans written before it).
+    rank (`memory.memory_per_rank`, estimated; empty in plans written before it).
     """
 
     world_size: int
@@ -410,7 +410,7 @@ def plan_with_widths(
         if any(placement.first for placement in placements.values())
         else None,
         graph_fingerprint=graph.fingerprint,
-        memory_bytes=memory.memory_per_rank(graph, placements, **sizes),
+        memory_bytes=memory.memory_per_rank(graph, placements, profile=profile, **sizes),
         layers=tuple(
             LayerPlan(
                 name=layer.name,

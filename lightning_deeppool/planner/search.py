@@ -40,7 +40,7 @@ from lightning_deeppool.ir.graph import Layer, LayerGraph, under
 from lightning_deeppool.ir.placement import Placement, equal_width_runs
 from lightning_deeppool.ir.profile import Profile
 from lightning_deeppool.planner import branches as branch_regions
-from lightning_deeppool.planner import checks, cost, margin
+from lightning_deeppool.planner import checks, cost, margin, memory
 from lightning_deeppool.planner.plan import Plan, plan_with_widths
 
 # Layers faster than this alone (100 us at width 1) are exempt from the amplification limit: their
@@ -56,6 +56,7 @@ EXHAUSTIVE_UP_TO = 64
 # Every number of spatial parts up to this is a candidate; beyond it, powers of two only.
 SPATIAL_EXHAUSTIVE_UP_TO = 4
 DEFAULT_MAX_STATES = 4096
+_REFITS = 8  # `_within_budget`'s tries
 _LAMBDA_STEPS = 30
 
 
@@ -203,12 +204,12 @@ def search(
     ``time(w) * w <= amplification_limit * time(1)`` at its placement (width 1 and data parallelism,
     full width unsplit, always qualify; ``inf`` disables it; the plan names the layers it constrained);
     pinned layers take their pin's placement unchecked (the user's choice; `pins` as `resolve_pins`
-    reads them); where the profile has memory, rank 0's estimated bytes stay within
-    ``memory_budget_bytes`` (Lagrangian relaxation). When the best plan is predicted to beat every
-    unpinned layer at full width (N, or B devices when the batch is smaller: data parallelism) by less
-    than `min_gain` (a fraction), or by no more than the layer profiles' spread over the layers the two
-    place differently (`margin.spread_between`), full width is returned (never a plan predicted slower
-    than it);
+    reads them); rank 0's estimated bytes (`memory`: parameters, gradients, optimizer state and
+    activations; rank 0 holds the most) stay within ``memory_budget_bytes`` (Lagrangian relaxation).
+    When the best plan is predicted to beat every unpinned layer at full width (N, or B devices when
+    the batch is smaller: data parallelism) by less than `min_gain` (a fraction), or by no more than
+    the layer profiles' spread over the layers the two place differently (`margin.spread_between`),
+    full width is returned (never a plan predicted slower than it);
     otherwise each run of layers of one placement is widened (to full width, else to a neighbouring
     run's placement: more devices, or as many with fewer spatial parts) while the predicted step stays
     within `tie_tolerance` of the best, or within that spread of it. With `branches`, independent
@@ -238,18 +239,13 @@ def search(
         exempt_below_s=exempt_below_s,
         pinned=pinned,
     )
+    sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     if memory_budget_bytes is None:
         choice = _dp(tables, 0.0, max_states)
     else:
-        if not cost.has_memory(profile, graph):
-            raise ValueError(
-                "a memory budget needs a profile with memory per layer; profile on the target device "
-                "(GPU), or drop the memory budget"
-            )
-        choice = _fit_memory(tables, memory_budget_bytes, max_states)
+        choice = _within_budget(graph, profile, tables, memory_budget_bytes, max_states, **sizes)
     found = {layer.name: tables.placements[i] for layer, i in zip(graph.layers, choice, strict=True)}
     placements = found
-    sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     if memory_budget_bytes is None:
         placements = _prefer_wide(graph, profile, tables, placements, min_gain, tie_tolerance, **sizes)
     if branches:
@@ -405,9 +401,9 @@ def side_by_side(
     sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
 
     def fits(candidate: dict[str, Placement]) -> bool:
-        if memory_budget_bytes is None or not cost.has_memory(profile, graph):
+        if memory_budget_bytes is None:
             return True
-        return max(cost.memory_per_rank(graph, profile, candidate, **sizes)) <= memory_budget_bytes
+        return max(memory.memory_per_rank(graph, candidate, profile=profile, **sizes)) <= memory_budget_bytes
 
     regions = [r for r in branch_regions.find_regions(graph) if not pinned.intersection(r.layers)]
     if not regions:
@@ -593,7 +589,7 @@ class _Tables:
         outputs = set(cost.output_layers(graph))
 
         widest = min(world_size, global_batch_size)
-        allowed, own, memory, edges, limited = [], [], [], [], []
+        allowed, own, memory_of, edges, limited = [], [], [], [], []
         for layer in graph.layers:
             halo = cost.halo_share(graph, layer)
             if layer.name in pinned:
@@ -626,18 +622,16 @@ class _Tables:
                 vector = vector + transfer.seconds(layer.sample_bytes, rows)[idx, index[full]]
             allowed.append(idx)
             own.append(vector)
-            # Rank 0 holds a layer it does not run (pinned to other ranks) as parameters and gradients.
+            # Rank 0 holds a layer it does not run (pinned to other ranks): its parameters, gradients
+            # and optimizer state, not its activations.
             away = np.array([placements[i].first > 0 for i in idx], dtype=bool)
-            memory.append(
-                np.where(
-                    away, 2 * layer.param_bytes, _memory(profile, layer, batches[idx], spatial[idx], halo)
-                )
-            )
+            on_rank_zero = _memory(profile, layer, batches[idx], spatial[idx], halo)
+            memory_of.append(np.where(away, _held_bytes(profile, layer), on_rank_zero))
             edges.append(layer_edges)
         last_use = {name: k for k, layer in enumerate(graph.layers) for name in layer.inputs}
         names = [layer.name for layer in graph.layers]
         return cls(
-            placements, allowed, own, memory, edges, last_use, names, tuple(limited), widths, world_size
+            placements, allowed, own, memory_of, edges, last_use, names, tuple(limited), widths, world_size
         )
 
 
@@ -668,14 +662,18 @@ def _times(
 def _memory(
     profile: Profile, layer: Layer, batches: np.ndarray, spatial: np.ndarray, halo: float
 ) -> np.ndarray:
-    measured = profile.layer(layer.name)
-    peak = (
-        np.zeros(len(batches))
-        if measured.peak_bytes is None
-        else np.interp(batches, measured.batch_sizes, measured.peak_bytes)
-    )
-    shares = np.array([cost.row_share(layer, int(s), halo) for s in spatial])
-    return peak * shares + 2 * layer.param_bytes
+    """Bytes on each device of the layer at per-device `batches` split by height in `spatial` parts:
+    its activations (`memory.per_sample_activations`) and what it holds (`_held_bytes`); the input
+    copies a placement makes depend on its neighbours' and are counted once a plan is chosen
+    (`_within_budget`)."""
+    shares = np.array([cost.row_share(layer, int(s)) for s in spatial])
+    kept = memory.per_sample_activations(layer, profile, batches) * batches * shares
+    return kept + _held_bytes(profile, layer)
+
+
+def _held_bytes(profile: Profile, layer: Layer) -> float:
+    """The layer's parameters with their gradients and optimizer state (`memory.optimizer_states`)."""
+    return layer.param_bytes * (2 + memory.optimizer_states(profile))
 
 
 def _within_limit(
@@ -823,6 +821,34 @@ def _sort_groups(kept: np.ndarray, radix: int) -> tuple[np.ndarray, np.ndarray]:
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
     return order, np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+
+
+def _within_budget(
+    graph: LayerGraph,
+    profile: Profile,
+    tables: _Tables,
+    budget: float,
+    max_states: int,
+    *,
+    world_size: int,
+    global_batch_size: int,
+) -> list[int]:
+    """`_fit_memory`'s choice under `budget` lowered by what the chosen plan's whole estimate
+    (`memory.memory_per_rank`, with the input copies its placements make) exceeds it by, until that
+    estimate fits."""
+    target = budget
+    for _ in range(_REFITS):
+        choice = _fit_memory(tables, target, max_states)
+        placements = {layer.name: tables.placements[i] for layer, i in zip(graph.layers, choice, strict=True)}
+        sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
+        over = max(memory.memory_per_rank(graph, placements, profile=profile, **sizes)) - budget
+        if over <= 0:
+            return choice
+        target -= over
+    raise ValueError(
+        f"no plan found within the memory budget of {budget / 2**30:.2f} GiB once the copies of values "
+        "moved between placements are counted; raise the budget or lower the global batch size"
+    )
 
 
 def _fit_memory(tables: _Tables, budget: float, max_states: int) -> list[int]:

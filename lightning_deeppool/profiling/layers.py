@@ -1,4 +1,5 @@
-"""Layer profiler: measured forward+backward time (and peak memory on CUDA) per layer and batch size.
+"""Layer profiler: measured forward+backward time and the bytes kept for backward, per layer and batch
+size; the optimizer update's time and state.
 
 Profiling never changes training: parameters' `.grad`, buffers (BatchNorm running stats), module
 training flags and the global RNG state are as they were before.
@@ -11,6 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from lightning_deeppool.capture.graph import preserved
 from lightning_deeppool.capture.values import rows_view, samples_view
 from lightning_deeppool.ir.placement import per_device_batch
 from lightning_deeppool.ir.profile import LayerProfile
+from lightning_deeppool.profiling.heap import give_back
 
 
 def candidate_batch_sizes(global_batch_size: int, world_size: int, max_sizes: int = 16) -> list[int]:
@@ -121,6 +124,7 @@ def profile_layers(
         for done, name in enumerate(names, start=1):
             inputs = {value: samples[value] for value in captured.graph.layer(name).inputs}
             profiles[name] = _profile_layer(captured, name, scalars, inputs, sizes, warmup, repeats, device)
+            give_back(device)
             if progress is not None:
                 progress(done, len(names))
     return profiles
@@ -141,7 +145,7 @@ def _profile_layer(
     alike instead of on one of them."""
     params = dict(captured.module.named_parameters())
     trainable = [params[p] for p in captured.layer_params[name] if params[p].requires_grad]
-    runs, peaks = [], []
+    runs, kept = [], []
     for b in sizes:
         leaves = {
             value: pytree.tree_map(_leaf_input, repeat_sample(v, captured.meta[value], b))
@@ -150,15 +154,17 @@ def _profile_layer(
         wrt = [leaf for v in leaves.values() for leaf in pytree.tree_leaves(v) if _needs_grad(leaf)]
         run = functools.partial(_forward_backward, captured, name, scalars, b, wrt + trainable)
         runs.append((b, run, leaves))
-        peaks.append(_failing_as(name, b, functools.partial(_warm_up, run, leaves, device, warmup)))
+        _failing_as(name, b, functools.partial(_warm_up, run, leaves, device, warmup))
+        measure = functools.partial(_kept_bytes, captured, name, scalars, b, leaves, device)
+        kept.append(_failing_as(name, b, measure))
     times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for position, (b, run, leaves) in enumerate(runs):
             times[position].append(_failing_as(name, b, functools.partial(_timed_once, run, leaves, device)))
-    measured_peaks = tuple(p for p in peaks if p is not None)
     seconds = tuple(statistics.median(t) for t in times)
     spread = tuple(statistics.median(abs(x - m) for x in t) for t, m in zip(times, seconds, strict=True))
-    return LayerProfile(name, tuple(sizes), seconds, measured_peaks or None, spread)
+    activations, saved_inputs = zip(*kept, strict=True)
+    return LayerProfile(name, tuple(sizes), seconds, activations, spread, saved_inputs)
 
 
 def time_whole_model(
@@ -207,6 +213,7 @@ def time_whole_model(
             _failing_as("(whole model)", batch_size, functools.partial(_timed_once, run, leaves, device))
             for _ in range(repeats)
         ]
+    give_back(device)
     return statistics.median(times)
 
 
@@ -241,16 +248,61 @@ def repeat_sample(value: Any, meta: ValueMeta, batch_size: int) -> Any:
 
 def _warm_up(
     run: Callable[[dict[str, Any]], None], leaves: dict[str, Any], device: torch.device, warmup: int
-) -> int | None:
-    """Run `warmup` (at least one) untimed times; the peak bytes of a run on CUDA (else None)."""
+) -> None:
+    """Run `warmup` (at least one) untimed times."""
+    for _ in range(max(warmup, 1)):
+        _timed_once(run, leaves, device)
+
+
+def _kept_bytes(
+    captured: CapturedGraph,
+    name: str,
+    scalars: dict[str, Any],
+    batch_size: int,
+    leaves: dict[str, Any],
+    device: torch.device,
+) -> tuple[int, int]:
+    """What the layer's forward at `batch_size` leaves alive for its backward: its activations (on
+    CUDA, the memory allocated after it less before it; elsewhere, the bytes of the storages of its
+    output and of the tensors autograd saved, less those of its inputs, parameters and buffers), and
+    the bytes of its inputs autograd saved."""
+    inputs = {value: pytree.tree_map(_copy_if_grad, v) for value, v in leaves.items()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> None:
+        # Only the storage's address and size: a packed tensor would tie the graph into a cycle with
+        # itself that is never freed, as this forward has no backward to release it.
+        saved.update(_storages([tensor]))
+
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-    for _ in range(max(warmup, 1)):
-        _timed_once(run, leaves, device)
-    return max(torch.cuda.max_memory_allocated(device) - baseline, 0) if cuda else None
+        before = torch.cuda.memory_allocated(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+        output = captured.run_layer(name, inputs, batch_size, scalars)
+    given = _storages(pytree.tree_leaves(inputs))
+    saved_inputs = sum(size for key, size in saved.items() if key in given)
+    if cuda:
+        torch.cuda.synchronize(device)
+        return max(torch.cuda.memory_allocated(device) - before, 0), saved_inputs
+    module = captured.module
+    given |= _storages([*module.parameters(), *module.buffers()])
+    kept = saved | _storages(pytree.tree_leaves(output))
+    return sum(size for key, size in kept.items() if key not in given), saved_inputs
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("deeppool: a profiled layer's memory was measured on a forward with no backward")
+
+
+def _storages(values: Sequence[Any]) -> dict[int, int]:
+    """Bytes of each distinct storage among the tensors in `values`, keyed by its address."""
+    found = {}
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type != "meta":
+            storage = value.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
 
 
 def _timed_once(run: Callable[[dict[str, Any]], None], leaves: dict[str, Any], device: torch.device) -> float:
@@ -313,16 +365,27 @@ def _module_device(gm: torch.nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def time_optimizer_step(
-    optimizers: Sequence[torch.optim.Optimizer], *, max_elements: int = 1 << 24, repeats: int = 3
-) -> float:
-    """Median seconds of one `step()` of each optimizer over all its parameters, measured on copies.
+@dataclass(frozen=True)
+class OptimizerUpdate:
+    """One update of every parameter: its `seconds`, and `states`, the optimizer-state bytes it keeps
+    per parameter byte (`Profile.optimizer_states`)."""
+
+    seconds: float
+    states: float
+
+
+def measure_optimizer_step(
+    optimizers: Sequence[torch.optim.Optimizer], *, max_elements: int = 1 << 22, repeats: int = 3
+) -> OptimizerUpdate:
+    """Median seconds of one `step()` of each optimizer over all its parameters, and the state it
+    keeps, measured on copies.
 
     Each optimizer's class and hyper-parameters run on clones of (at most `max_elements` of) its
     parameters with random gradients; the time is scaled to all elements (updates are elementwise).
-    The real parameters and optimizer state are untouched. Optimizers that need a closure count 0.
+    The real parameters and optimizer state are untouched. Optimizers that need a closure count 0
+    seconds; without any optimizer that steps, `states` is SGD with momentum's 1.
     """
-    total = 0.0
+    total, state_bytes, sampled_bytes = 0.0, 0, 0
     for optimizer in optimizers:
         groups, sampled, elements = [], 0, 0
         for group in optimizer.param_groups:
@@ -347,4 +410,12 @@ def time_optimizer_step(
         except Exception:
             continue
         total += seconds * elements / max(sampled, 1)
-    return total
+        state_bytes += sum(_bytes(value) for state in replica.state.values() for value in state.values())
+        sampled_bytes += sum(_bytes(p) for group in groups for p in group["params"])
+        del replica, groups
+        give_back(device)
+    return OptimizerUpdate(total, state_bytes / sampled_bytes if sampled_bytes else 1.0)
+
+
+def _bytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0

@@ -26,11 +26,11 @@ from lightning_deeppool.profiling.layers import (
     assign_layers,
     candidate_batch_sizes,
     device_name,
+    measure_optimizer_step,
     merge_layer_profiles,
     parameter_dtype,
     profile_layers,
     progress_printer,
-    time_optimizer_step,
     time_whole_model,
 )
 
@@ -62,13 +62,15 @@ def profile_on_ranks(
     plain, reduced = _time_whole_passes(
         captured, env, batch, comm.bucket_bytes, device=device, warmup=warmup, repeats=repeats
     )
+    update = on_rank_zero(lambda: measure_optimizer_step(optimizers))
     profile = Profile(
         graph_fingerprint=captured.graph.fingerprint,
         device=measured_on,
         dtype=dtype,
         layers=layers,
         comm=_calibrated_comm(comm, captured.module, plain, reduced),
-        optimizer_s=on_rank_zero(lambda: time_optimizer_step(optimizers)),
+        optimizer_s=update.seconds,
+        optimizer_states=update.states,
     ).calibrated(plain, batch)
     if cache_dir is not None and dist.get_rank() == 0:
         save_cached_profile(cache_dir, key, profile)

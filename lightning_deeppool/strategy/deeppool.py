@@ -83,7 +83,7 @@ class DeepPoolStrategy(DDPStrategy):
         cache_dir: profile cache (default ``$DEEPPOOL_CACHE_DIR`` or ``~/.cache/lightning_deeppool``);
             ``False`` disables caching.
         exempt_below_s: layers faster than this at width 1 are exempt from the amplification limit.
-        memory_budget_bytes: per-device memory budget where memory is profiled (CUDA).
+        memory_budget_bytes: per-device memory budget in bytes for the plan's estimated peak on every rank.
         bucket_mb: gradient all-reduce bucket size.
         shared_batch: every rank's DataLoader yields the same batch, which is the global batch (the
             strategy's sampler does not shard the data); each rank keeps its share of the samples for
