@@ -123,7 +123,9 @@ def test_table_ends_with_each_burst_plans_estimated_memory_per_rank():
     graph, profile = conv_then_head()
     projections = project(graph, profile, devices=[2, 8], global_batch_size=BATCH)
     estimates = [
-        memory.memory_per_rank(graph, p.plan.placements(), world_size=p.devices, global_batch_size=BATCH)
+        memory.memory_per_rank(
+            graph, p.plan.placements(), world_size=p.devices, global_batch_size=BATCH, profile=profile
+        )
         for p in projections
     ]
     assert table(projections).splitlines()[-1] == (

@@ -269,10 +269,11 @@ def _kept_bytes(
     inputs = {value: pytree.tree_map(_copy_if_grad, v) for value, v in leaves.items()}
     saved: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> None:
-        # Only the storage's address and size: a packed tensor would tie the graph into a cycle with
-        # itself that is never freed, as this forward has no backward to release it.
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        # Kept as autograd keeps it, but detached: a saved output packed with its grad_fn would tie
+        # the graph into a cycle that is never freed, as this forward has no backward to release it.
         saved.update(_storages([tensor]))
+        return tensor.detach()
 
     cuda = device.type == "cuda"
     if cuda:
@@ -291,7 +292,7 @@ def _kept_bytes(
     return sum(size for key, size in kept.items() if key not in given), saved_inputs
 
 
-def _never_unpacked(packed: None) -> torch.Tensor:
+def _never_unpacked(packed: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("deeppool: a profiled layer's memory was measured on a forward with no backward")
 
 
