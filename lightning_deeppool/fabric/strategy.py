@@ -48,7 +48,7 @@ from lightning_deeppool.session.options import (
     register_names,
 )
 from lightning_deeppool.session.plan_session import Fit, PlanSession
-from lightning_deeppool.session.reads import check_reduced
+from lightning_deeppool.session.reads import checked_reduction
 
 
 class DeepPoolStrategy(DDPStrategy):
@@ -304,13 +304,13 @@ class DeepPoolStrategy(DDPStrategy):
     def all_reduce(
         self, tensor: torch.Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> torch.Tensor:
-        unheld = self._unheld()
-        finite = torch.isfinite(tensor).all() if unheld and isinstance(tensor, torch.Tensor) else None
-        with self._collective("all_reduce"):
-            result = super().all_reduce(tensor, group, reduce_op)
-        if unheld is not None and finite is not None:
-            check_reduced(finite, result, unheld, "fabric.all_reduce")
-        return result
+        ddp_all_reduce = super().all_reduce
+
+        def reduce() -> torch.Tensor:
+            with self._collective("all_reduce"):
+                return ddp_all_reduce(tensor, group, reduce_op)
+
+        return checked_reduction(tensor, self._unheld(), reduce, lambda: "fabric.all_reduce")
 
     def _unheld(self) -> Callable[[int], list[str]] | None:
         """The parameters each rank holds as NaN under the installed plan; None where every rank's are

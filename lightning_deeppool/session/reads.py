@@ -10,6 +10,22 @@ import torch
 import torch.distributed as dist
 
 
+def checked_reduction(
+    tensor: Any,
+    not_held: Callable[[int], list[str]] | None,
+    reduce: Callable[[], Any],
+    hook: Callable[[], str | None],
+) -> Any:
+    """`reduce()` of `tensor` (a collective every rank issues), checked by `check_reduced` in the
+    `hook` it is issued from where ranks hold parameters they do not run as NaN (`not_held` given)."""
+    # Taken before the reduction, which may write its result into `tensor`.
+    finite = torch.isfinite(tensor).all() if not_held and isinstance(tensor, torch.Tensor) else None
+    result = reduce()
+    if not_held is not None and finite is not None and isinstance(result, torch.Tensor):
+        check_reduced(finite, result, not_held, hook())
+    return result
+
+
 def check_reduced(
     finite: torch.Tensor, result: torch.Tensor, not_held: Callable[[int], list[str]], hook: str | None
 ) -> None:

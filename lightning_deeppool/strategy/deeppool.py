@@ -46,7 +46,7 @@ from lightning_deeppool.session.options import (
     register_names,
 )
 from lightning_deeppool.session.plan_session import Fit, PlanSession
-from lightning_deeppool.session.reads import check_reduced
+from lightning_deeppool.session.reads import checked_reduction
 from lightning_deeppool.session.step_times import summary
 from lightning_deeppool.strategy.hooks import (
     HoldReleasedWeights,
@@ -472,14 +472,13 @@ class DeepPoolStrategy(DDPStrategy):
     # Lightning's own collectives (`self.log(sync_dist=True)`, `self.all_gather`, ...) block too.
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        unheld = self._unheld()
-        # Before the reduction, which may write its result into `tensor`.
-        finite = torch.isfinite(tensor).all() if unheld and isinstance(tensor, torch.Tensor) else None
-        with self._collective("reduce"):
-            result = super().reduce(tensor, *args, **kwargs)
-        if unheld is not None and finite is not None and isinstance(result, torch.Tensor):
-            check_reduced(finite, result, unheld, self._reducing_in())
-        return result
+        ddp_reduce = super().reduce
+
+        def reduce() -> Any:
+            with self._collective("reduce"):
+                return ddp_reduce(tensor, *args, **kwargs)
+
+        return checked_reduction(tensor, self._unheld(), reduce, self._reducing_in)
 
     def _unheld(self) -> Callable[[int], list[str]] | None:
         """The parameters each rank holds as NaN (its copies of them too: an EMA of the weights), under
