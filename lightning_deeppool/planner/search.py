@@ -846,7 +846,7 @@ def _within_budget(
             return choice
         target -= over
     raise ValueError(
-        f"no plan found within the memory budget of {budget / 2**30:.2f} GiB once the copies of values "
+        f"no plan found within the memory budget of {budget:,.0f} bytes once the copies of values "
         "moved between placements are counted; raise the budget or lower the global batch size"
     )
 
@@ -866,15 +866,15 @@ def _fit_memory(tables: _Tables, budget: float, max_states: int) -> list[int]:
     least = sum(float(m.min()) for m in tables.memory)
     if least > budget:
         raise ValueError(
-            f"even the plan with the least memory needs {least / 2**30:.2f} GiB on rank 0, over the budget "
-            f"of {budget / 2**30:.2f} GiB; lower the global batch size, relax the amplification limit or "
+            f"even the plan with the least memory needs {least:,.0f} bytes on rank 0, over the budget "
+            f"of {budget:,.0f} bytes; lower the global batch size, relax the amplification limit or "
             "pins, or raise the budget"
         )
     low, high = 0.0, 1e-18
     while memory(best := _dp(tables, high, max_states)) > budget:
         low, high = high, high * 10
         if high > 1e6:
-            raise ValueError(f"no plan found within the memory budget of {budget / 2**30:.2f} GiB")
+            raise ValueError(f"no plan found within the memory budget of {budget:,.0f} bytes")
     for _ in range(_LAMBDA_STEPS):
         middle = (low + high) / 2
         choice = _dp(tables, middle, max_states)
