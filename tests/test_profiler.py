@@ -200,6 +200,15 @@ def test_optimizer_step_time_scales_to_every_element_when_sampling():
     assert 0.2 * full < sampled < 5 * full
 
 
+def test_optimizer_step_time_scales_to_every_element_when_sampling_rows_of_one_large_parameter():
+    layer = nn.Linear(2048, 2048, bias=False)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    full = measure_optimizer_step([optimizer], repeats=5)
+    sampled = measure_optimizer_step([optimizer], max_elements=64 * 2048, repeats=5)
+    assert 0.2 * full.seconds < sampled.seconds < 5 * full.seconds
+    assert sampled.states == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize(
     ("optimizer", "states"),
     [

@@ -381,8 +381,9 @@ def measure_optimizer_step(
     """Median seconds of one `step()` of each optimizer over all its parameters, and the state it
     keeps, measured on copies.
 
-    Each optimizer's class and hyper-parameters run on clones of (at most `max_elements` of) its
-    parameters with random gradients; the time is scaled to all elements (updates are elementwise).
+    Each optimizer's class and hyper-parameters run on clones of its parameters with random gradients,
+    about `max_elements` in all (a large parameter's leading rows); the time is scaled to all elements
+    (updates are elementwise).
     The real parameters and optimizer state are untouched. Optimizers that need a closure count 0
     seconds; without any optimizer that steps, `states` is SGD with momentum's 1.
     """
@@ -394,10 +395,10 @@ def measure_optimizer_step(
             for p in group["params"]:
                 elements += p.numel()
                 if sampled < max_elements:
-                    copy = p.detach().clone().requires_grad_(True)
+                    copy = _leading_rows(p.detach(), max_elements - sampled).clone().requires_grad_(True)
                     copy.grad = torch.randn_like(copy) * 1e-3
                     params.append(copy)
-                    sampled += p.numel()
+                    sampled += copy.numel()
             if params:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
         if not groups:
@@ -416,6 +417,15 @@ def measure_optimizer_step(
         del replica, groups
         give_back(device)
     return OptimizerUpdate(total, state_bytes / sampled_bytes if sampled_bytes else 1.0)
+
+
+def _leading_rows(tensor: torch.Tensor, elements: int) -> torch.Tensor:
+    """The first rows (along dimension 0) of `tensor` that hold at least `elements` elements, all of
+    it when smaller: a sample of a large parameter with its number of dimensions."""
+    if tensor.dim() == 0 or tensor.numel() <= elements:
+        return tensor
+    row = tensor.numel() // tensor.shape[0]
+    return tensor[: -(-elements // row)]
 
 
 def _bytes(value: Any) -> int:
