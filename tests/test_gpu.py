@@ -28,7 +28,7 @@ class _Net(nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
-def test_cuda_profile_has_event_times_and_growing_peak_memory():
+def test_cuda_profile_has_event_times_and_the_measured_bytes_kept_for_backward():
     net = _Net().cuda()
     x = torch.randn(4, 3, 16, 16, device="cuda")
     captured = capture_graph(net, (x,))
@@ -36,6 +36,9 @@ def test_cuda_profile_has_event_times_and_growing_peak_memory():
     conv = profiles["conv"]
     assert all(s > 0 for s in conv.seconds)
     assert conv.activation_bytes is not None
+    # relu keeps its output (16 x 16 x 16 floats a sample); the convolution keeps only its input
+    kept = 64 * 16 * 16 * 16 * 4
+    assert kept <= conv.activation_bytes[1] <= 2 * kept
     assert conv.activation_bytes[1] > conv.activation_bytes[0]
 
 
