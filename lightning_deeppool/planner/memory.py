@@ -41,6 +41,11 @@ def optimizer_states(profile: Profile | None) -> float:
     return DEFAULT_OPTIMIZER_STATES if profile is None else profile.optimizer_states
 
 
+def held_bytes(param_bytes: float, profile: Profile | None) -> float:
+    """Bytes of parameters held for training: each with its gradient and `optimizer_states`."""
+    return param_bytes * (2 + optimizer_states(profile))
+
+
 def held_param_bytes(graph: LayerGraph, placements: Mapping[str, Placement], world_size: int) -> list[int]:
     """Parameter bytes each rank holds: those of the layers it runs, a tied parameter once; every
     parameter on rank 0."""
@@ -146,8 +151,7 @@ def memory_per_rank(
     kept = activation_bytes(
         graph, found, world_size=world_size, global_batch_size=global_batch_size, profile=profile
     )
-    states = optimizer_states(profile)
-    return tuple(round(p * (2 + states)) + a for p, a in zip(params, kept, strict=True))
+    return tuple(round(held_bytes(p, profile)) + a for p, a in zip(params, kept, strict=True))
 
 
 def summary(memory: tuple[int, ...]) -> str:

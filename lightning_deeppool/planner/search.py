@@ -626,7 +626,7 @@ class _Tables:
             # and optimizer state, not its activations.
             away = np.array([placements[i].first > 0 for i in idx], dtype=bool)
             on_rank_zero = _memory(profile, layer, batches[idx], spatial[idx], halo)
-            memory_of.append(np.where(away, _held_bytes(profile, layer), on_rank_zero))
+            memory_of.append(np.where(away, memory.held_bytes(layer.param_bytes, profile), on_rank_zero))
             edges.append(layer_edges)
         last_use = {name: k for k, layer in enumerate(graph.layers) for name in layer.inputs}
         names = [layer.name for layer in graph.layers]
@@ -663,17 +663,12 @@ def _memory(
     profile: Profile, layer: Layer, batches: np.ndarray, spatial: np.ndarray, halo: float
 ) -> np.ndarray:
     """Bytes on each device of the layer at per-device `batches` split by height in `spatial` parts:
-    its activations (`memory.per_sample_activations`) and what it holds (`_held_bytes`); the input
+    its activations (`memory.per_sample_activations`) and what it holds (`memory.held_bytes`); the input
     copies a placement makes depend on its neighbours' and are counted once a plan is chosen
     (`_within_budget`)."""
     shares = np.array([cost.row_share(layer, int(s)) for s in spatial])
     kept = memory.per_sample_activations(layer, profile, batches) * batches * shares
-    return kept + _held_bytes(profile, layer)
-
-
-def _held_bytes(profile: Profile, layer: Layer) -> float:
-    """The layer's parameters with their gradients and optimizer state (`memory.optimizer_states`)."""
-    return layer.param_bytes * (2 + memory.optimizer_states(profile))
+    return kept + memory.held_bytes(layer.param_bytes, profile)
 
 
 def _within_limit(
@@ -836,11 +831,11 @@ def _within_budget(
     """`_fit_memory`'s choice under `budget` lowered by what the chosen plan's whole estimate
     (`memory.memory_per_rank`, with the input copies its placements make) exceeds it by, until that
     estimate fits."""
+    sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
     target = budget
     for _ in range(_REFITS):
         choice = _fit_memory(tables, target, max_states)
         placements = {layer.name: tables.placements[i] for layer, i in zip(graph.layers, choice, strict=True)}
-        sizes = {"world_size": world_size, "global_batch_size": global_batch_size}
         over = max(memory.memory_per_rank(graph, placements, profile=profile, **sizes)) - budget
         if over <= 0:
             return choice
